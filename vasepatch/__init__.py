@@ -1,0 +1,32 @@
+"""vasepatch: a fixed-size KV cache with VaSE eviction for Hugging Face causal LMs.
+
+    handle = vasepatch.patch(model, budget=4096)
+    model.generate(...)
+    vasepatch.unpatch(model)
+"""
+
+from vasepatch import policies
+from vasepatch.cache import VaSECache, VaSELayer
+from vasepatch.config import VaSEConfig
+from vasepatch.errors import AlreadyPatchedError, NotPatchedError, UnsupportedModelError
+from vasepatch.integration.families import SUPPORTED_FAMILIES
+from vasepatch.integration.patching import PatchHandle, is_patched, patch, patched, unpatch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SUPPORTED_FAMILIES",
+    "AlreadyPatchedError",
+    "NotPatchedError",
+    "PatchHandle",
+    "UnsupportedModelError",
+    "VaSECache",
+    "VaSEConfig",
+    "VaSELayer",
+    "__version__",
+    "is_patched",
+    "patch",
+    "patched",
+    "policies",
+    "unpatch",
+]

@@ -1,0 +1,316 @@
+"""The static KV cache: fixed buffers, true positions, host-side eviction triggers.
+
+One `VaSELayer` per decoder layer, gathered in a `VaSECache` (a transformers
+`Cache`). Buffers are allocated once, at the first update (the prefill), with
+`max(prompt_len, budget) + window` slots per row and KV head, and never
+reallocated: appends write into slices, evictions gather the kept slots to the
+front in place. The trigger is a host-side counter (the number of appended
+tokens is known from input shapes), so the decode path never syncs with the
+device. Which slots survive is decided by a `Policy`; the cache only moves data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from vasepatch.config import VaSEConfig
+from vasepatch.policies.base import Policy
+
+
+@dataclass
+class LayerCounters:
+    """Host-side bookkeeping of one layer (plain ints: reading them never syncs)."""
+
+    occupancy: int = 0  # slots in use (padding slots included)
+    tokens_seen: int = 0  # tokens appended since the start (the sequence length HF sees)
+    evictions: int = 0  # eviction rounds
+    evicted: int = 0  # slots dropped per row and KV head, summed over rounds
+    capacity: int = 0  # slots allocated per row and KV head
+    kv_bytes: int = 0  # bytes held by the K and V buffers
+
+
+@dataclass
+class CacheMonitor:
+    """Counters of the most recent cache of a patch; outlives the cache's tensors."""
+
+    layers: list[LayerCounters] = field(default_factory=list)
+    generations: int = 0
+
+    def snapshot(self, budget: int, window: int) -> dict[str, int]:
+        ls = self.layers
+        return {
+            "evictions": max((c.evictions for c in ls), default=0),
+            "evicted_tokens": max((c.evicted for c in ls), default=0),
+            "tokens_seen": max((c.tokens_seen for c in ls), default=0),
+            "occupancy": max((c.occupancy for c in ls), default=0),
+            "budget": budget,
+            "window": window,
+            "capacity": max((c.capacity for c in ls), default=0),
+            "kv_bytes": sum(c.kv_bytes for c in ls),
+            "layers": len(ls),
+            "generations": self.generations,
+        }
+
+
+class SeededGenerator:
+    """A `torch.Generator` created on first use, on the device of the cache, from `seed`
+    (`None`: torch's global generator). Shared by all layers of one cache."""
+
+    def __init__(self, seed: int | None) -> None:
+        self.seed = seed
+        self._generator: torch.Generator | None = None
+
+    def get(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        if self._generator is None or self._generator.device != torch.device(device):
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.seed)
+        return self._generator
+
+
+class VaSELayer(CacheLayerMixin):
+    """Static KV buffers of one decoder layer with VaSE eviction.
+
+    Per row `b` and KV head `h`, slot `s` holds `keys[b, h, s]`,
+    `values[b, h, s]`, its absolute position `positions[b, h, s]` and whether it
+    is a real token `valid[b, h, s]`. A small ring holds the queries of the last
+    `window` steps; it is seeded with the last prompt queries at prefill.
+
+    Protocol per forward step (driven by the attention integration):
+    `prepare_step(padding_mask)` -> `update(k, v)` -> `step_mask()` for the
+    kernel -> `observe_queries(q)` -> `maybe_evict()`.
+    """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(
+        self,
+        config: VaSEConfig,
+        policy: Policy,
+        rng: SeededGenerator | None = None,
+        counters: LayerCounters | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.policy = policy
+        self.rng = rng if rng is not None else SeededGenerator(config.seed)
+        self.counters = counters if counters is not None else LayerCounters()
+        self._pending_padding: torch.Tensor | None = None
+        self._step_start = 0  # first slot written by the current step
+        self._step_len = 0
+        self._step_positions: torch.Tensor | None = None  # [B, Q] positions of the current step's tokens
+        self._queries_written = 0
+
+    # --- allocation -------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        cfg = self.config
+        b, h, q_len, d = key_states.shape
+        capacity = max(q_len, cfg.budget) + cfg.window
+        dev = key_states.device
+        self.device = dev
+        self.batch_size, self.num_heads = b, h
+        self.keys = torch.zeros((b, h, capacity, d), dtype=key_states.dtype, device=dev)
+        self.values = torch.zeros((b, h, capacity, value_states.shape[-1]), dtype=value_states.dtype, device=dev)
+        self.positions = torch.full((b, h, capacity), -1, dtype=torch.long, device=dev)
+        self.valid = torch.zeros((b, h, capacity), dtype=torch.bool, device=dev)
+        self.next_position = torch.zeros((b,), dtype=torch.long, device=dev)
+        self.queries: torch.Tensor | None = None  # [B, Hq, W, D], allocated at the first observe_queries
+        self.capacity = capacity
+        self.counters.capacity = capacity
+        self.counters.kv_bytes = self.keys.nbytes + self.values.nbytes
+        self.is_initialized = True
+
+    # --- one step ---------------------------------------------------------------------------
+    def prepare_step(self, padding_mask: torch.Tensor | None) -> None:
+        """Record the 2-D padding mask (`[B, seen + Q]`, 1/True = real token) of the next update."""
+        if padding_mask is not None and padding_mask.dim() != 2:
+            raise ValueError(
+                "vasepatch needs a 2-D attention mask ([batch, sequence], 1 = real token, 0 = padding); "
+                f"got a {padding_mask.dim()}-D mask of shape {tuple(padding_mask.shape)}"
+            )
+        self._pending_padding = padding_mask
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `Q` new tokens (keys after RoPE); return the whole static buffers."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q_len = key_states.shape[-2]
+        start = self.counters.occupancy
+        if start + q_len > self.capacity:
+            raise RuntimeError(
+                f"vasepatch cache overflow: {start} slots in use + {q_len} new tokens > capacity {self.capacity}. "
+                "The capacity is fixed at the first forward (max(prompt, budget) + window); feed later tokens one "
+                "decode step at a time, as generate() does."
+            )
+        padding, self._pending_padding = self._pending_padding, None
+        if padding is None:
+            new_valid = torch.ones((self.batch_size, q_len), dtype=torch.bool, device=self.device)
+        else:
+            if padding.shape[-1] < q_len:
+                raise ValueError(f"attention mask has {padding.shape[-1]} columns, fewer than the {q_len} new tokens")
+            new_valid = padding[:, -q_len:].to(device=self.device, dtype=torch.bool)
+        new_pos = self.next_position.unsqueeze(-1) + new_valid.long().cumsum(-1) - 1
+        new_pos = new_pos.masked_fill(~new_valid, -1)
+        self.next_position += new_valid.long().sum(-1)
+
+        end = start + q_len
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        self.positions[:, :, start:end] = new_pos.unsqueeze(1)
+        self.valid[:, :, start:end] = new_valid.unsqueeze(1)
+
+        self._step_start, self._step_len, self._step_positions = start, q_len, new_pos
+        self.counters.occupancy = end
+        self.counters.tokens_seen += q_len
+        return self.keys, self.values
+
+    def step_mask(self) -> torch.Tensor:
+        """Boolean `[B, Hkv, Q, capacity]`: which slots each new query may attend to.
+
+        A slot is visible if it holds a real token at a position not after the
+        query's. A padding query sees only its own slot, so no row is empty.
+        """
+        start, q_len = self._step_start, self._step_len
+        if q_len == 1:  # decode: every valid slot is in the past
+            mask = self.valid.unsqueeze(-2).clone()
+        else:
+            qpos = self._step_positions[:, None, :, None]  # [B, 1, Q, 1]
+            mask = self.valid.unsqueeze(-2) & (self.positions.unsqueeze(-2) <= qpos)
+        own = torch.arange(start, start + q_len, device=self.device)
+        mask[:, :, torch.arange(q_len, device=self.device), own] = True
+        return mask
+
+    def observe_queries(self, query_states: torch.Tensor) -> None:
+        """Keep the queries (after RoPE, `[B, Hq, Q, D]`) of the last `window` tokens."""
+        window = self.config.window
+        if self.queries is None:
+            b, hq, _, d = query_states.shape
+            self.queries = torch.zeros((b, hq, window, d), dtype=query_states.dtype, device=self.device)
+        q_len = query_states.shape[-2]
+        m = min(q_len, window)
+        new_valid = self.valid[:, 0, self._step_start + q_len - m : self._step_start + q_len]  # [B, m]
+        q = query_states[:, :, q_len - m :] * new_valid[:, None, :, None].to(query_states.dtype)
+        first = self._queries_written % window
+        if first + m <= window:
+            self.queries[:, :, first : first + m] = q
+        else:
+            slots = torch.tensor([(first + j) % window for j in range(m)], device=self.device)
+            self.queries[:, :, slots] = q
+        self._queries_written += m
+
+    def should_evict(self) -> bool:
+        """Host-side trigger: not at prefill; occupancy over budget at a multiple of `window`
+        past the budget, or the buffer full."""
+        c, cfg = self.counters, self.config
+        if c.tokens_seen == self._step_len:  # the prefill keeps the prompt whole
+            return False
+        over = c.occupancy - cfg.budget
+        return over > 0 and (over % cfg.window == 0 or c.occupancy + 1 > self.capacity)
+
+    def maybe_evict(self) -> bool:
+        if not self.should_evict():
+            return False
+        self.evict()
+        return True
+
+    def evict(self) -> None:
+        """Bring occupancy back to `budget`: keep the last `window` slots, let the policy
+        pick `budget - window` of the older ones, gather all kept slots to the front."""
+        cfg = self.config
+        occ = self.counters.occupancy
+        n_cand, n_keep = occ - cfg.window, cfg.budget - cfg.window
+        cand = slice(0, n_cand)
+        idx = self.policy.select(
+            self.keys[:, :, cand],
+            self.values[:, :, cand],
+            self.queries,
+            self.positions[:, :, cand],
+            self.valid[:, :, cand],
+            n_keep,
+            generator=self.rng.get(self.device),
+        )
+        # Real tokens first, each group in slot (= sequence) order.
+        kept_valid = self.valid[:, :, cand].gather(-1, idx)
+        order = torch.argsort(idx + n_cand * (~kept_valid).long(), dim=-1)
+        idx = idx.gather(-1, order)
+        recent = torch.arange(n_cand, occ, device=self.device).expand(*idx.shape[:2], cfg.window)
+        full = torch.cat([idx, recent], dim=-1)  # [B, Hkv, budget]
+        b = cfg.budget
+        self.keys[:, :, :b] = self.keys.gather(2, full.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1]))
+        self.values[:, :, :b] = self.values.gather(2, full.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[-1]))
+        self.positions[:, :, :b] = self.positions.gather(2, full)
+        self.valid[:, :, :b] = self.valid.gather(2, full)
+        self.valid[:, :, b:occ] = False
+        self.positions[:, :, b:occ] = -1
+        self.counters.occupancy = b
+        self.counters.evictions += 1
+        self.counters.evicted += occ - b
+
+    # --- CacheLayerMixin API ----------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return self.counters.tokens_seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.counters.tokens_seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1  # the sequence length is unbounded; the buffer is not
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.valid.zero_()
+            self.positions.fill_(-1)
+            self.next_position.zero_()
+            if self.queries is not None:
+                self.queries.zero_()
+        self.counters.occupancy = self.counters.tokens_seen = 0
+        self._queries_written = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: permute rows in place (storage unchanged)."""
+        if not self.is_initialized:
+            return
+        beam_idx = beam_idx.to(self.device)
+        for t in (self.keys, self.values, self.positions, self.valid, self.next_position, self.queries):
+            if t is not None:
+                t.copy_(t.index_select(0, beam_idx))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("vasepatch caches cannot be cropped (evicted tokens are gone)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("vasepatch caches have a fixed batch size; expand inputs before the prefill")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("vasepatch caches have a fixed batch size")
+
+
+class VaSECache(Cache):
+    """A transformers `Cache` of `VaSELayer`s: what a patched model's `generate` uses."""
+
+    def __init__(
+        self,
+        config: VaSEConfig,
+        policy: Policy,
+        num_layers: int,
+        monitor: CacheMonitor | None = None,
+    ) -> None:
+        rng = SeededGenerator(config.seed)
+        counters = [LayerCounters() for _ in range(num_layers)]
+        if monitor is not None:
+            monitor.layers = counters
+            monitor.generations += 1
+        layers = [VaSELayer(config, policy, rng, c) for c in counters]
+        super().__init__(layers=layers)
+        self.config = config
+
+    def stats(self) -> dict[str, int]:
+        return CacheMonitor([layer.counters for layer in self.layers]).snapshot(self.config.budget, self.config.window)

@@ -1,0 +1,15 @@
+"""Exceptions raised by vasepatch."""
+
+from __future__ import annotations
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture (or one of its settings) is not supported by vasepatch."""
+
+
+class AlreadyPatchedError(RuntimeError):
+    """`patch` was called on a model that is already patched."""
+
+
+class NotPatchedError(RuntimeError):
+    """`unpatch` was called on a model that vasepatch did not patch."""

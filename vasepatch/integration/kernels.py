@@ -1,0 +1,65 @@
+"""Attention kernels over a static buffer, grouped by KV head (no K/V repetition).
+
+`query` is `[B, Hq, Q, D]`, `key`/`value` `[B, Hkv, S, D]`, `mask` a boolean
+`[B, Hkv or 1, Q, S]` (True = may attend). The query heads of a GQA group are
+folded into the query-length axis, so each KV head is read once, whatever the
+group size. Returns `[B, Q, Hq, D]`, the layout transformers' attention
+modules expect.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+KERNELS = ("sdpa", "eager")
+
+
+def _group(query: torch.Tensor, mask: torch.Tensor, h_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = query.shape[1] // h_kv
+    q = rearrange(query, "b (h g) q d -> b h (g q) d", h=h_kv)
+    m = mask.unsqueeze(2).expand(mask.shape[0], mask.shape[1], g, *mask.shape[2:])
+    return q, rearrange(m, "b h g q s -> b h (g q) s")
+
+
+def _ungroup(out: torch.Tensor, h_q: int) -> torch.Tensor:
+    h_kv = out.shape[1]
+    return rearrange(out, "b h (g q) d -> b q (h g) d", g=h_q // h_kv).contiguous()
+
+
+def grouped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    kernel: str = "sdpa",
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Masked softmax attention with GQA by grouping; `kernel` is `"sdpa"` or `"eager"`."""
+    q, m = _group(query, mask, key.shape[1])
+    if kernel == "sdpa":
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=m, dropout_p=dropout, scale=scaling)
+    elif kernel == "eager":
+        scores = torch.matmul(q, key.transpose(-1, -2)) * scaling
+        scores = scores.masked_fill(~m, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if dropout:
+            probs = F.dropout(probs, p=dropout)
+        out = torch.matmul(probs, value)
+    else:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    return _ungroup(out, query.shape[1])
+
+
+def causal_padding_mask(padding: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """`[B or 1, 1, Q, S]` mask for a plain growing cache: causal with the queries at the
+    end of the key sequence, padding keys hidden, and each query sees at least itself."""
+    q_idx = torch.arange(q_len, device=device).unsqueeze(-1) + (kv_len - q_len)
+    kv_idx = torch.arange(kv_len, device=device).unsqueeze(0)
+    mask = (kv_idx <= q_idx)[None, None]
+    if padding is not None:
+        mask = mask & padding[:, -kv_len:].to(device=device, dtype=torch.bool)[:, None, None, :]
+        mask = mask | (kv_idx == q_idx)[None, None]
+    return mask

@@ -1,0 +1,253 @@
+"""`patch` / `unpatch` / `patched`: instance-level surgery with guaranteed teardown.
+
+A patch changes only the given model *instance*:
+
+- every module of the decoder stack that shares the model's config gets a private
+  copy of it whose attention implementation is `"vasepatch"` (so the model's own
+  projections, norms and RoPE run unchanged, and only the kernel and mask
+  function are ours);
+- each attention module's `forward` is wrapped to hand its `VaSELayer` to the
+  kernel;
+- `_prepare_cache_for_generation` is overridden so that `generate()` builds a
+  `VaSECache` on its own, with no extra arguments.
+
+`unpatch` undoes each change in reverse order; weights are never touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from vasepatch import policies
+from vasepatch.cache import CacheMonitor, VaSECache
+from vasepatch.config import VaSEConfig
+from vasepatch.errors import AlreadyPatchedError, NotPatchedError
+from vasepatch.integration import attention
+from vasepatch.integration.compat import check_transformers
+from vasepatch.integration.families import ModelLayout, inspect_model
+
+STATE_ATTR = "_vasepatch_state"
+_MISSING = object()
+
+
+class PatchHandle:
+    """What `patch` returns: statistics, a cache factory, and `remove()`."""
+
+    def __init__(self, model: torch.nn.Module, config: VaSEConfig, policy: policies.Policy, layout: ModelLayout):
+        self.model = model
+        self.config = config
+        self.policy = policy
+        self.layout = layout
+        self.monitor = CacheMonitor()
+
+    def new_cache(self) -> VaSECache:
+        """A fresh cache for one generation (what `generate()` gets automatically).
+
+        Pass it as `cache=` (or `past_key_values=`) to drive the model by hand.
+        """
+        return VaSECache(self.config, self.policy, len(self.layout.attention_modules), self.monitor)
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the most recent generation.
+
+        `evictions` (eviction rounds), `evicted_tokens` (slots dropped per row and
+        KV head), `tokens_seen` (sequence length incl. padding), `occupancy` (max
+        over layers of slots in use), `budget`, `window`, `capacity` (slots
+        allocated per layer, row and KV head), `kv_bytes` (K+V buffer bytes, all
+        layers), `layers`, `generations` (caches created by this patch).
+        """
+        return self.monitor.snapshot(self.config.budget, self.config.window)
+
+    @property
+    def active(self) -> bool:
+        state = getattr(self.model, STATE_ATTR, None)
+        return state is not None and state.handle is self
+
+    def remove(self) -> None:
+        """Same as `vasepatch.unpatch(model)`."""
+        unpatch(self.model)
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            self.remove()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return f"PatchHandle(policy={c.policy!r}, budget={c.budget}, window={c.window}, active={self.active})"
+
+
+class _PatchState:
+    def __init__(self, handle: PatchHandle) -> None:
+        self.handle = handle
+        self.undo: list[Callable[[], None]] = []
+
+
+def _set_instance_attr(obj: Any, name: str, value: Any, undo: list[Callable[[], None]]) -> None:
+    previous = obj.__dict__.get(name, _MISSING)
+
+    def restore() -> None:
+        if previous is _MISSING:
+            obj.__dict__.pop(name, None)
+        else:
+            obj.__dict__[name] = previous
+
+    obj.__dict__[name] = value
+    undo.append(restore)
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _wrap_attention(module: torch.nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if args[1:]:  # anything besides hidden_states given positionally: bind by name
+            bound = signature.bind_partial(*args, **kwargs)
+            args, kwargs = (), {**bound.arguments.pop("kwargs", {}), **bound.arguments}
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, VaSECache):
+            layer = cache.layers[module.layer_idx]
+            layer.prepare_step(kwargs.get("attention_mask"))
+            kwargs[attention.LAYER_KWARG] = layer
+        return original(*args, **kwargs)
+
+    return forward
+
+
+def _config_from_arguments(config: VaSEConfig | None, budget: int | None, **settings: Any) -> VaSEConfig:
+    if config is None:
+        if budget is None:
+            raise ValueError("budget is required (a positive int: KV pairs kept per layer and head)")
+        return VaSEConfig(budget=budget, **settings)
+    if not isinstance(config, VaSEConfig):
+        raise ValueError(f"config must be a vasepatch.VaSEConfig, got {type(config).__name__}")
+    defaults = VaSEConfig.__dataclass_fields__
+    changed = [k for k, v in settings.items() if v != defaults[k].default]
+    if budget is not None and budget != config.budget:
+        changed.insert(0, "budget")
+    if changed:
+        raise ValueError(f"pass settings either in config or as keywords, not both (got config and {changed})")
+    return config
+
+
+def patch(
+    model: torch.nn.Module,
+    budget: int | None = None,
+    *,
+    window: int = 64,
+    protect: int | None = None,
+    sinks: int = 4,
+    policy: str = "vase",
+    temperature: float = 1.0,
+    smooth: int = 5,
+    seed: int | None = None,
+    config: VaSEConfig | None = None,
+) -> PatchHandle:
+    """Give `model` a fixed-size KV cache with VaSE eviction; returns a `PatchHandle`.
+
+    After this, a plain `model.generate(...)` keeps at most `budget` KV pairs per
+    layer and head after each eviction (evicting once every `window` decode
+    steps). Everything is validated before the model is touched; on any error the
+    model is left exactly as it was. See `VaSEConfig` for the settings.
+    """
+    check_transformers()
+    layout = inspect_model(model)
+    if getattr(model, STATE_ATTR, None) is not None:
+        raise AlreadyPatchedError("this model is already patched by vasepatch; call vasepatch.unpatch(model) first")
+    cfg = _config_from_arguments(
+        config,
+        budget,
+        window=window,
+        protect=protect,
+        sinks=sinks,
+        policy=policy,
+        temperature=temperature,
+        smooth=smooth,
+        seed=seed,
+    )
+    chosen = policies.get(
+        cfg.policy,
+        protect=cfg.n_protect,
+        sinks=cfg.sinks,
+        temperature=cfg.temperature,
+        smooth=cfg.smooth,
+        **dict(cfg.policy_options),
+    )
+    attention.register()
+
+    handle = PatchHandle(model, cfg, chosen, layout)
+    state = _PatchState(handle)
+    try:
+        _apply(model, layout, handle, state.undo)
+        _set_instance_attr(model, STATE_ATTR, state, state.undo)
+    except BaseException:
+        for restore in reversed(state.undo):
+            restore()
+        raise
+    return handle
+
+
+def _apply(model: torch.nn.Module, layout: ModelLayout, handle: PatchHandle, undo: list[Callable[[], None]]) -> None:
+    original_config = layout.base_model.config
+    private = copy.copy(original_config)
+    kernel = "eager" if original_config._attn_implementation == "eager" else "sdpa"
+    private.__dict__["_attn_implementation_internal"] = attention.ATTN_IMPLEMENTATION
+    private.__dict__["_vasepatch_kernel"] = kernel
+    for module in layout.base_model.modules():
+        if module.__dict__.get("config") is original_config:
+            _set_instance_attr(module, "config", private, undo)
+
+    for module in layout.attention_modules:
+        _set_instance_attr(module, "forward", _wrap_attention(module, module.forward), undo)
+
+    cache_kw = _cache_keyword(model)
+    original_prepare = model._prepare_cache_for_generation
+
+    def _prepare_cache_for_generation(generation_config, model_kwargs, *args: Any, **kwargs: Any):
+        user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        wants_default = generation_config.cache_implementation in (None, "dynamic")
+        if user_cache is None and generation_config.use_cache is not False and wants_default:
+            model_kwargs[cache_kw] = handle.new_cache()
+            return None
+        return original_prepare(generation_config, model_kwargs, *args, **kwargs)
+
+    _set_instance_attr(model, "_prepare_cache_for_generation", _prepare_cache_for_generation, undo)
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    """Whether `model` is currently patched by vasepatch."""
+    return getattr(model, STATE_ATTR, None) is not None
+
+
+def unpatch(model: torch.nn.Module) -> None:
+    """Restore `model` exactly as it was before `patch` (forwards, configs, generation)."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise NotPatchedError("this model is not patched by vasepatch")
+    for restore in reversed(state.undo):
+        restore()
+
+
+@contextmanager
+def patched(model: torch.nn.Module, budget: int | None = None, **settings: Any) -> Iterator[PatchHandle]:
+    """`with vasepatch.patched(model, budget=...) as handle:` — unpatched on exit, even on error."""
+    handle = patch(model, budget, **settings)
+    try:
+        yield handle
+    finally:
+        if handle.active:
+            unpatch(model)

@@ -1,0 +1,119 @@
+"""Pure tensor functions that policies are made of: scores, noise and selection.
+
+Everything here is shape-static (no data-dependent Python branches, no host
+syncs) so that it can run inside a compiled decode step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+VALUE_SCORES = ("range", "l2", "var")
+
+
+def check_inputs(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    n_keep: int,
+) -> None:
+    """Validate the shapes of a `Policy.select` call (host-side metadata only)."""
+    if keys.dim() != 4 or values.shape[:3] != keys.shape[:3]:
+        raise ValueError(f"keys/values must be [B, Hkv, N, D], got {tuple(keys.shape)} and {tuple(values.shape)}")
+    if positions.shape != keys.shape[:3] or valid.shape != keys.shape[:3]:
+        raise ValueError(
+            f"positions and valid must be [B, Hkv, N] = {tuple(keys.shape[:3])}, "
+            f"got {tuple(positions.shape)} and {tuple(valid.shape)}"
+        )
+    if queries is not None:
+        if queries.dim() != 4 or queries.shape[0] != keys.shape[0] or queries.shape[-1] != keys.shape[-1]:
+            raise ValueError(f"queries must be [B, Hq, W, D], got {tuple(queries.shape)}")
+        if queries.shape[1] % keys.shape[1]:
+            raise ValueError(f"query heads ({queries.shape[1]}) must be a multiple of KV heads ({keys.shape[1]})")
+    n = keys.shape[2]
+    if not 0 <= n_keep <= n:
+        raise ValueError(f"n_keep must be in [0, {n}] (the number of candidates), got {n_keep}")
+
+
+def value_scores(values: torch.Tensor, kind: str = "range") -> torch.Tensor:
+    """Per-candidate magnitude of the value vectors, `[B, H, N]` float32.
+
+    `range` = max - min over the head dimension (the paper's choice), `l2` = the
+    Euclidean norm, `var` = the variance.
+    """
+    v = values.float()
+    if kind == "range":
+        return v.amax(-1) - v.amin(-1)
+    if kind == "l2":
+        return torch.linalg.vector_norm(v, dim=-1)
+    if kind == "var":
+        return v.var(-1, unbiased=False)
+    raise ValueError(f"score must be one of {VALUE_SCORES}, got {kind!r}")
+
+
+def window_attention(
+    keys: torch.Tensor,
+    queries: torch.Tensor,
+    valid: torch.Tensor,
+    temperature: float = 1.0,
+    smooth: int = 1,
+) -> torch.Tensor:
+    """Attention that the window's queries pay to each candidate, `[B, Hkv, N]` float32.
+
+    `softmax(q k^T / (sqrt(D) * temperature))` over the valid candidates, averaged
+    over the window and over the query heads sharing each KV head (GQA), then
+    smoothed by an average pool of width `smooth` along the sequence. Invalid
+    candidates score 0.
+    """
+    h_kv, d = keys.shape[1], keys.shape[-1]
+    q = rearrange(queries.float(), "b (h g) w d -> b h (g w) d", h=h_kv)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * (1.0 / (math.sqrt(d) * temperature))
+    logits = logits.masked_fill(~valid.unsqueeze(-2), float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with no valid candidate: all zero
+    scores = probs.mean(-2)
+    if smooth > 1:
+        b, h, n = scores.shape
+        pooled = F.avg_pool1d(scores.reshape(b * h, 1, n), kernel_size=smooth, padding=smooth // 2, stride=1)
+        scores = pooled[..., :n].reshape(b, h, n)
+    return scores.masked_fill(~valid, 0.0)
+
+
+def gumbel_noise(shape: torch.Size, device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Standard Gumbel noise, float32. Adding it to log-weights and taking the top-k
+    draws k items without replacement with probability proportional to the weights."""
+    u = torch.rand(shape, device=device, generator=generator, dtype=torch.float32)
+    tiny = torch.finfo(torch.float32).tiny
+    return -torch.log(-torch.log(u.clamp(tiny, 1.0 - 1e-7)))
+
+
+def log_weights(scores: torch.Tensor) -> torch.Tensor:
+    """`log(scores)` with zeros mapped to a very negative *finite* number, so that a
+    zero-score valid candidate still ranks above every invalid one (-inf)."""
+    return torch.log(scores.clamp_min(torch.finfo(torch.float32).tiny))
+
+
+def mask_of(indices: torch.Tensor, n: int) -> torch.Tensor:
+    """Boolean `[..., n]` mask that is True at `indices` (`[..., k]`)."""
+    out = torch.zeros((*indices.shape[:-1], n), dtype=torch.bool, device=indices.device)
+    return out.scatter(-1, indices, True)
+
+
+def top_k_by_priority(priority: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """Indices of the `n_keep` largest priorities per row (distinct by construction).
+
+    Convention: protected candidates carry `+inf`, invalid ones `-inf`, the rest
+    finite numbers, so protected come first and invalid last.
+    """
+    return torch.topk(priority, n_keep, dim=-1, sorted=False).indices
+
+
+def compose_priority(protected: torch.Tensor, key: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`+inf` for protected, `key` for other valid candidates, `-inf` for invalid ones."""
+    inf = torch.full_like(key, float("inf"))
+    return torch.where(protected & valid, inf, torch.where(valid, key, -inf))
