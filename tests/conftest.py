@@ -7,10 +7,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from tests.tiny_models import tiny_model  # noqa: E402
+from tests.tiny_models import tiny_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

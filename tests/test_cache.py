@@ -69,7 +69,7 @@ def test_long_prompt_is_kept_whole_then_evicted_to_budget():
 
 def test_left_padding_positions_follow_hf():
     layer = _layer(budget=32, window=4)
-    ids, mask = ragged_batch(VOCAB, lengths=(6, 3))
+    _, mask = ragged_batch(VOCAB, lengths=(6, 3))
     k = torch.randn(2, 1, 6, 8)
     step(layer, k, k, torch.randn(2, 1, 6, 8), padding=mask)
     assert layer.positions[0, 0, :6].tolist() == [0, 1, 2, 3, 4, 5]

@@ -64,7 +64,7 @@ def test_bad_settings_raise_before_any_change(make_model, settings, param):
 
 
 def test_unknown_policy_message_lists_registered(make_model):
-    with pytest.raises(ValueError, match="registered policies: .*vase"):
+    with pytest.raises(ValueError, match=r"registered policies: .*vase"):
         vasepatch.patch(make_model("llama"), budget=128, policy="nope")
 
 
@@ -134,7 +134,13 @@ def _qwen2_sliding():
 
 @pytest.mark.parametrize(
     ("build", "model_type"),
-    [(_gpt2, "gpt2"), (_bert, "bert"), (_gemma3, "gemma3_text"), (_mistral_sliding, "mistral"), (_qwen2_sliding, "qwen2")],
+    [
+        (_gpt2, "gpt2"),
+        (_bert, "bert"),
+        (_gemma3, "gemma3_text"),
+        (_mistral_sliding, "mistral"),
+        (_qwen2_sliding, "qwen2"),
+    ],
 )
 def test_unsupported_models_raise_before_any_change(build, model_type):
     model = build()
@@ -217,5 +223,7 @@ def test_user_cache_and_cache_implementation_are_respected(make_model):
         )  # fmt: skip
         assert handle.stats()["generations"] == 0
         own = handle.new_cache()
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, cache=own)
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, cache=own
+        )
         assert own.stats()["evictions"] > 0

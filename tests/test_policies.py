@@ -112,7 +112,7 @@ def test_bad_calls_are_rejected():
 
 def test_registry():
     assert "vase" in policies.available()
-    with pytest.raises(ValueError, match="unknown policy 'nope'; registered policies: .*vase"):
+    with pytest.raises(ValueError, match=r"unknown policy 'nope'; registered policies: .*vase"):
         policies.get("nope")
     with pytest.raises(ValueError, match="already registered"):
         policies.register("vase", policies.VaSEPolicy)
@@ -130,3 +130,18 @@ def test_registry():
         assert "test-keep-first" in policies.available()
     finally:
         policies._REGISTRY.pop("test-keep-first")
+
+
+def test_valid_candidates_with_zero_attention_still_beat_invalid_ones():
+    """Attention underflowing to exactly 0 must not let padding compete with real tokens."""
+    d = 2
+    keys = torch.tensor([[100.0, 0.0], [-100.0, 0.0], [0.0, 0.0], [0.0, 0.0]]).view(1, 1, 4, d)
+    queries = torch.tensor([10.0, 0.0]).view(1, 1, 1, d)
+    values = torch.ones(1, 1, 4, d)
+    positions = torch.tensor([10, 11, -1, -1]).view(1, 1, 4)
+    valid = torch.tensor([True, True, False, False]).view(1, 1, 4)
+    assert scoring.window_attention(keys, queries, valid)[0, 0, 1] == 0.0
+    policy = policies.get("vase", protect=0, sinks=0, smooth=1)
+    for seed in range(50):
+        idx = policy.select(keys, values, queries, positions, valid, 2, torch.Generator().manual_seed(seed))
+        assert sorted(idx.flatten().tolist()) == [0, 1]

@@ -1,8 +1,8 @@
 """vasepatch: a fixed-size KV cache with VaSE eviction for Hugging Face causal LMs.
 
-    handle = vasepatch.patch(model, budget=4096)
-    model.generate(...)
-    vasepatch.unpatch(model)
+handle = vasepatch.patch(model, budget=4096)
+model.generate(...)
+vasepatch.unpatch(model)
 """
 
 from vasepatch import policies

@@ -1,0 +1,116 @@
+"""Hypothesis strategies: random shapes, budgets, paddings and value distributions.
+
+Tensors are generated from a drawn seed (fast), while everything structural
+(shapes, settings, padding, the kind of value distribution) is drawn by
+hypothesis so that it can shrink failures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+VALUE_KINDS = ("normal", "outliers", "constant", "tiny")
+
+
+def make_values(shape, kind: str, g: torch.Generator) -> torch.Tensor:
+    v = torch.randn(shape, generator=g)
+    if kind == "outliers":  # a few value vectors with an abnormally large range
+        big = torch.rand(shape[:-1], generator=g) < 0.1
+        v = torch.where(big.unsqueeze(-1), v * 50, v)
+    elif kind == "constant":  # every range equal: ties everywhere
+        v = torch.ones(shape)
+    elif kind == "tiny":
+        v = v * 1e-6
+    return v
+
+
+@dataclass
+class PolicyCase:
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    n_keep: int
+    protect: int
+    sinks: int
+    temperature: float
+    smooth: int
+    seed: int
+
+
+@st.composite
+def policy_cases(draw) -> PolicyCase:
+    b, h, g_size = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    n, d, w = draw(st.integers(1, 40)), draw(st.integers(1, 8)), draw(st.integers(1, 6))
+    n_keep = draw(st.integers(0, n))
+    sinks = draw(st.integers(0, 6))
+    protect = draw(st.integers(min(sinks, n_keep), max(n_keep, min(sinks, n_keep))))
+    seed = draw(st.integers(0, 2**31 - 1))
+    kind = draw(st.sampled_from(VALUE_KINDS))
+    layout = draw(st.sampled_from(["left_padding", "random_holes", "all_valid", "none_valid"]))
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(b, h, n, d, generator=g) * draw(st.sampled_from([0.1, 1.0, 10.0, 100.0]))
+    values = make_values((b, h, n, d), kind, g)
+    queries = torch.randn(b, h * g_size, w, d, generator=g)
+    if layout == "left_padding":
+        pad = torch.randint(0, n + 1, (b, 1, 1), generator=g)
+        valid = (torch.arange(n).view(1, 1, n) >= pad).expand(b, h, n).clone()
+    elif layout == "random_holes":
+        valid = torch.rand(b, h, n, generator=g) > 0.3
+    elif layout == "all_valid":
+        valid = torch.ones(b, h, n, dtype=torch.bool)
+    else:
+        valid = torch.zeros(b, h, n, dtype=torch.bool)
+    # positions: increasing over real tokens (as after compaction), shuffled start offsets
+    positions = valid.long().cumsum(-1) - 1 + torch.randint(0, 3, (b, h, 1), generator=g) * valid.long()
+    positions = positions.masked_fill(~valid, -1)
+    temperature = draw(st.sampled_from([0.5, 1.0, 2.0]))
+    smooth = draw(st.sampled_from([1, 3, 5, 4]))
+    return PolicyCase(keys, values, queries, positions, valid, n_keep, protect, sinks, temperature, smooth, seed)
+
+
+@dataclass
+class CacheCase:
+    batch: int
+    kv_heads: int
+    groups: int
+    head_dim: int
+    budget: int
+    window: int
+    protect: int
+    sinks: int
+    prompt_lengths: list[int]
+    decode_steps: int
+    value_kind: str
+    seed: int
+    sample: bool
+
+
+@st.composite
+def cache_cases(draw, max_budget: int = 24) -> CacheCase:
+    budget = draw(st.integers(3, max_budget))
+    window = draw(st.integers(1, budget - 1))
+    sinks = draw(st.integers(0, min(4, budget - window)))
+    protect = draw(st.integers(sinks, budget - window))
+    batch = draw(st.integers(1, 3))
+    width = draw(st.integers(1, budget + 2 * window))
+    prompt_lengths = [width] + [draw(st.integers(1, width)) for _ in range(batch - 1)]
+    return CacheCase(
+        batch=batch,
+        kv_heads=draw(st.integers(1, 2)),
+        groups=draw(st.integers(1, 2)),
+        head_dim=draw(st.sampled_from([1, 4, 8])),
+        budget=budget,
+        window=window,
+        protect=protect,
+        sinks=sinks,
+        prompt_lengths=draw(st.permutations(prompt_lengths)),
+        decode_steps=draw(st.integers(0, 3 * budget)),
+        value_kind=draw(st.sampled_from(VALUE_KINDS)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        sample=draw(st.booleans()),
+    )
