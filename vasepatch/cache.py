@@ -181,9 +181,10 @@ class VaSELayer(CacheLayerMixin):
         start, q_len = self._step_start, self._step_len
         if q_len == 1:  # decode: every valid slot is in the past
             mask = self.valid.unsqueeze(-2).clone()
-        else:
-            qpos = self._step_positions[:, None, :, None]  # [B, 1, Q, 1]
-            mask = self.valid.unsqueeze(-2) & (self.positions.unsqueeze(-2) <= qpos)
+            mask[..., start] = True
+            return mask
+        qpos = self._step_positions[:, None, :, None]  # [B, 1, Q, 1]
+        mask = self.valid.unsqueeze(-2) & (self.positions.unsqueeze(-2) <= qpos)
         own = torch.arange(start, start + q_len, device=self.device)
         mask[:, :, torch.arange(q_len, device=self.device), own] = True
         return mask
