@@ -37,7 +37,7 @@ def measure(model, ids, mask, steps: int, budget: int, window: int, pad: int = 0
         ref_prefill = model(input_ids=ids, attention_mask=mask).logits
         ref = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=pad, **kwargs)
         with vasepatch.patched(model, budget=budget, window=window) as handle:
-            prefill = model(input_ids=ids, attention_mask=mask, cache=handle.new_cache()).logits
+            prefill = model(input_ids=ids, attention_mask=mask, **{handle.cache_keyword: handle.new_cache()}).logits
             out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=pad, **kwargs)
             assert handle.stats()["evictions"] == 0
         model.set_attn_implementation("eager")

@@ -48,7 +48,7 @@ def test_prefill_parity_every_real_position(make_model, family):
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits
         with vasepatch.patched(model, budget=64, window=8) as handle:
-            out = model(input_ids=ids, attention_mask=mask, cache=handle.new_cache()).logits
+            out = model(input_ids=ids, attention_mask=mask, **{handle.cache_keyword: handle.new_cache()}).logits
     real = mask.bool()
     assert (ref[real] - out[real]).abs().max().item() <= TOL
 

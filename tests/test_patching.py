@@ -219,11 +219,16 @@ def test_user_cache_and_cache_implementation_are_respected(make_model):
     with vasepatch.patched(model, budget=16, window=4) as handle:
         model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
-            cache=transformers.DynamicCache(config=model.config),
+            **{handle.cache_keyword: transformers.DynamicCache(config=model.config)},
         )  # fmt: skip
         assert handle.stats()["generations"] == 0
         own = handle.new_cache()
         model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, cache=own
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=30,
+            do_sample=False,
+            pad_token_id=0,
+            **{handle.cache_keyword: own},
         )
         assert own.stats()["evictions"] > 0

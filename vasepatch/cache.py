@@ -265,6 +265,9 @@ class VaSELayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1  # the sequence length is unbounded; the buffer is not
 
+    def get_max_cache_shape(self) -> int:  # what older 5.x releases call `get_max_length`
+        return self.get_max_length()
+
     def reset(self) -> None:
         if self.is_initialized:
             self.valid.zero_()

@@ -22,17 +22,11 @@ ATTN_IMPLEMENTATION = "vasepatch"
 LAYER_KWARG = "vasepatch_layer"
 
 
-def padding_mask_passthrough(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: Any = 0,
-    kv_offset: int = 0,
-    mask_function: Any = None,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor | None:
-    """Mask function: return the 2-D padding mask (`[B, S]` bool) or `None`, unchanged."""
+def padding_mask_passthrough(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+    """Mask function: return the 2-D padding mask (`[B, S]` bool) or `None`, unchanged.
+
+    Sizes and offsets (whose names vary across transformers releases) are ignored.
+    """
     return attention_mask
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import transformers
 from packaging.version import Version
 
-MIN_TRANSFORMERS = "5.24.0"
+MIN_TRANSFORMERS = "5.0.0"  # CI runs the tests with this release and the newest
 MAX_TRANSFORMERS = "6.0.0"  # exclusive
 
 

@@ -46,11 +46,15 @@ class PatchHandle:
         self.policy = policy
         self.layout = layout
         self.monitor = CacheMonitor()
+        self.cache_keyword = _cache_keyword(model)
+        """The keyword under which the model takes a cache: `"cache"` (recent transformers)
+        or `"past_key_values"` (older 5.x releases)."""
 
     def new_cache(self) -> VaSECache:
         """A fresh cache for one generation (what `generate()` gets automatically).
 
-        Pass it as `cache=` (or `past_key_values=`) to drive the model by hand.
+        Pass it to the model under `handle.cache_keyword` to drive it by hand:
+        `model(input_ids, **{handle.cache_keyword: handle.new_cache()})`.
         """
         return VaSECache(self.config, self.policy, len(self.layout.attention_modules), self.monitor)
 
@@ -214,7 +218,7 @@ def _apply(model: torch.nn.Module, layout: ModelLayout, handle: PatchHandle, und
     for module in layout.attention_modules:
         _set_instance_attr(module, "forward", _wrap_attention(module, module.forward), undo)
 
-    cache_kw = _cache_keyword(model)
+    cache_kw = handle.cache_keyword
     original_prepare = model._prepare_cache_for_generation
 
     def _prepare_cache_for_generation(generation_config, model_kwargs, *args: Any, **kwargs: Any):
