@@ -39,7 +39,12 @@ def measure(model, ids, mask, steps: int, budget: int, window: int, pad: int = 0
         with vasepatch.patched(model, budget=budget, window=window) as handle:
             prefill = model(input_ids=ids, attention_mask=mask, **{handle.cache_keyword: handle.new_cache()}).logits
             out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=pad, **kwargs)
-            assert handle.stats()["evictions"] == 0
+            stats = handle.stats()
+            assert (
+                stats["evictions"] == 0
+                and stats["generations"] == 2
+                and stats["tokens_seen"] == ids.shape[1] + steps - 1
+            )
         model.set_attn_implementation("eager")
         eager = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=pad, **kwargs)
         model.set_attn_implementation("sdpa")

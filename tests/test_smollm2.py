@@ -49,4 +49,5 @@ def test_large_budget_output_identical_to_unpatched(smollm2):
     assert handle.stats()["evictions"] == 0
     assert torch.equal(ref.sequences, out.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits, strict=True))
-    assert diff < 2e-4  # transformers' own sdpa-vs-eager difference on this model is ~7e-5
+    # bit-identical with torch 2.13 on CPU; the bound is transformers' own sdpa-vs-eager gap (~7e-5) with margin
+    assert diff < 2e-4

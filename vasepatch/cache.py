@@ -55,6 +55,13 @@ class CacheMonitor:
         }
 
 
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling()
+    return torch._dynamo.is_compiling()
+
+
 class SeededGenerator:
     """A `torch.Generator` created on first use, on the device of the cache, from `seed`
     (`None`: torch's global generator). Shared by all layers of one cache."""
@@ -157,34 +164,45 @@ class VaSELayer(CacheLayerMixin):
             if padding.shape[-1] < q_len:
                 raise ValueError(f"attention mask has {padding.shape[-1]} columns, fewer than the {q_len} new tokens")
             new_valid = padding[:, -q_len:].to(device=self.device, dtype=torch.bool)
-        new_pos = self.next_position.unsqueeze(-1) + new_valid.long().cumsum(-1) - 1
-        new_pos = new_pos.masked_fill(~new_valid, -1)
-        self.next_position += new_valid.long().sum(-1)
+        counts = new_valid.long()
+        if q_len > 1:
+            counts = counts.cumsum(-1)
+        new_pos = (self.next_position.unsqueeze(-1) + counts - 1).masked_fill_(~new_valid, -1)
+        self.next_position += counts[:, -1]
 
+        # narrow + copy_: the cheapest in-place write into the static storage
+        self.keys.narrow(2, start, q_len).copy_(key_states)
+        self.values.narrow(2, start, q_len).copy_(value_states)
+        self.positions.narrow(2, start, q_len).copy_(new_pos.unsqueeze(1))
+        self.valid.narrow(2, start, q_len).copy_(new_valid.unsqueeze(1))
         end = start + q_len
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
-        self.positions[:, :, start:end] = new_pos.unsqueeze(1)
-        self.valid[:, :, start:end] = new_valid.unsqueeze(1)
 
         self._step_start, self._step_len, self._step_positions = start, q_len, new_pos
         self.counters.occupancy = end
         self.counters.tokens_seen += q_len
         return self.keys, self.values
 
-    def step_mask(self) -> torch.Tensor:
-        """Boolean `[B, Hkv, Q, capacity]`: which slots each new query may attend to.
+    def attended_slots(self) -> int:
+        """How many leading slots the kernel should read: the occupied ones when running
+        eagerly (less work), the whole buffer under `torch.compile` (static shapes)."""
+        return self.capacity if _compiling() else self.counters.occupancy
+
+    def step_mask(self, length: int | None = None) -> torch.Tensor:
+        """Boolean `[B, Hkv, Q, length]` (default: the capacity): which of the first
+        `length` slots each new query may attend to.
 
         A slot is visible if it holds a real token at a position not after the
-        query's. A padding query sees only its own slot, so no row is empty.
+        query's. In a multi-token step a padding query sees only its own slot, so
+        no row is empty. A decode step (one token) sees every valid slot: its own
+        slot is one of them, and the mask is a view of `valid`, with no copy.
         """
         start, q_len = self._step_start, self._step_len
+        n = self.capacity if length is None else length
+        valid = self.valid.narrow(2, 0, n)
         if q_len == 1:  # decode: every valid slot is in the past
-            mask = self.valid.unsqueeze(-2).clone()
-            mask[..., start] = True
-            return mask
+            return valid.unsqueeze(-2)
         qpos = self._step_positions[:, None, :, None]  # [B, 1, Q, 1]
-        mask = self.valid.unsqueeze(-2) & (self.positions.unsqueeze(-2) <= qpos)
+        mask = valid.unsqueeze(-2) & (self.positions.narrow(2, 0, n).unsqueeze(-2) <= qpos)
         own = torch.arange(start, start + q_len, device=self.device)
         mask[:, :, torch.arange(q_len, device=self.device), own] = True
         return mask
@@ -195,17 +213,25 @@ class VaSELayer(CacheLayerMixin):
         if self.queries is None:
             b, hq, _, d = query_states.shape
             self.queries = torch.zeros((b, hq, window, d), dtype=query_states.dtype, device=self.device)
+            self.query_valid = torch.zeros((b, window), dtype=torch.bool, device=self.device)
         q_len = query_states.shape[-2]
         m = min(q_len, window)
-        new_valid = self.valid[:, 0, self._step_start + q_len - m : self._step_start + q_len]  # [B, m]
-        q = query_states[:, :, q_len - m :] * new_valid[:, None, :, None].to(query_states.dtype)
+        new_valid = self.valid[:, 0].narrow(-1, self._step_start + q_len - m, m)  # [B, m]
+        q = query_states.narrow(2, q_len - m, m)
         first = self._queries_written % window
         if first + m <= window:
-            self.queries[:, :, first : first + m] = q
+            self.queries.narrow(2, first, m).copy_(q)
+            self.query_valid.narrow(1, first, m).copy_(new_valid)
         else:
             slots = torch.tensor([(first + j) % window for j in range(m)], device=self.device)
             self.queries[:, :, slots] = q
+            self.query_valid[:, slots] = new_valid
         self._queries_written += m
+
+    def window_queries(self) -> torch.Tensor:
+        """The ring of recent queries `[B, Hq, W, D]`, padding queries zeroed (a zero query
+        spreads its attention uniformly)."""
+        return self.queries * self.query_valid[:, None, :, None]
 
     def should_evict(self) -> bool:
         """Host-side trigger: not at prefill; occupancy over budget at a multiple of `window`
@@ -232,7 +258,7 @@ class VaSELayer(CacheLayerMixin):
         idx = self.policy.select(
             self.keys[:, :, cand],
             self.values[:, :, cand],
-            self.queries,
+            self.window_queries(),
             self.positions[:, :, cand],
             self.valid[:, :, cand],
             n_keep,
@@ -275,6 +301,7 @@ class VaSELayer(CacheLayerMixin):
             self.next_position.zero_()
             if self.queries is not None:
                 self.queries.zero_()
+                self.query_valid.zero_()
         self.counters.occupancy = self.counters.tokens_seen = 0
         self._queries_written = 0
 
@@ -283,7 +310,8 @@ class VaSELayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         beam_idx = beam_idx.to(self.device)
-        for t in (self.keys, self.values, self.positions, self.valid, self.next_position, self.queries):
+        ring = (self.queries, self.query_valid) if self.queries is not None else ()
+        for t in (self.keys, self.values, self.positions, self.valid, self.next_position, *ring):
             if t is not None:
                 t.copy_(t.index_select(0, beam_idx))
 

@@ -46,7 +46,8 @@ def vasepatch_attention(
     kernel = getattr(module.config, "_vasepatch_kernel", "sdpa")
     layer = kwargs.get(LAYER_KWARG)
     if layer is not None:
-        out = grouped_attention(query, key, value, layer.step_mask(), scaling, kernel)
+        n = layer.attended_slots()
+        out = grouped_attention(query, key[:, :, :n], value[:, :, :n], layer.step_mask(n), scaling, kernel)
         layer.observe_queries(query)
         layer.maybe_evict()
         return out, None

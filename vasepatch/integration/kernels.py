@@ -4,28 +4,33 @@
 `[B, Hkv or 1, Q, S]` (True = may attend). The query heads of a GQA group are
 folded into the query-length axis, so each KV head is read once, whatever the
 group size. Returns `[B, Q, Hq, D]`, the layout transformers' attention
-modules expect.
+modules expect. This runs once per layer and decode step, so it uses plain
+views rather than einops (whose per-call parsing costs show up here).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
 KERNELS = ("sdpa", "eager")
 
 
 def _group(query: torch.Tensor, mask: torch.Tensor, h_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = query.shape[1] // h_kv
-    q = rearrange(query, "b (h g) q d -> b h (g q) d", h=h_kv)
-    m = mask.unsqueeze(2).expand(mask.shape[0], mask.shape[1], g, *mask.shape[2:])
-    return q, rearrange(m, "b h g q s -> b h (g q) s")
+    """`[B, Hq, Q, D]` -> `[B, Hkv, G*Q, D]` (rows ordered g-major), mask to match."""
+    b, h_q, q_len, d = query.shape
+    g = h_q // h_kv
+    q = query.reshape(b, h_kv, g * q_len, d)  # heads h*G..h*G+G-1 share KV head h
+    if q_len == 1:  # one mask row per KV head serves its whole group: broadcast it
+        return q, mask
+    m = mask.unsqueeze(2).expand(mask.shape[0], mask.shape[1], g, q_len, mask.shape[-1])
+    return q, m.reshape(mask.shape[0], mask.shape[1], g * q_len, mask.shape[-1])
 
 
 def _ungroup(out: torch.Tensor, h_q: int) -> torch.Tensor:
-    h_kv = out.shape[1]
-    return rearrange(out, "b h (g q) d -> b q (h g) d", g=h_q // h_kv).contiguous()
+    """`[B, Hkv, G*Q, D]` -> `[B, Q, Hq, D]`."""
+    b, h_kv, gq, d = out.shape
+    return out.reshape(b, h_q, gq * h_kv // h_q, d).transpose(1, 2).contiguous()
 
 
 def grouped_attention(
