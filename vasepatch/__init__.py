@@ -1,8 +1,7 @@
 """vasepatch: a fixed-size KV cache with VaSE eviction for Hugging Face causal LMs.
 
-handle = vasepatch.patch(model, budget=4096)
-model.generate(...)
-vasepatch.unpatch(model)
+`handle = vasepatch.patch(model, budget=4096)`, then a plain `model.generate(...)`;
+`vasepatch.unpatch(model)` restores the model.
 """
 
 from vasepatch import policies

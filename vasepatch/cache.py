@@ -55,13 +55,6 @@ class CacheMonitor:
         }
 
 
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    if compiler is not None and hasattr(compiler, "is_compiling"):
-        return compiler.is_compiling()
-    return torch._dynamo.is_compiling()
-
-
 class SeededGenerator:
     """A `torch.Generator` created on first use, on the device of the cache, from `seed`
     (`None`: torch's global generator). Shared by all layers of one cache."""
@@ -185,7 +178,7 @@ class VaSELayer(CacheLayerMixin):
     def attended_slots(self) -> int:
         """How many leading slots the kernel should read: the occupied ones when running
         eagerly (less work), the whole buffer under `torch.compile` (static shapes)."""
-        return self.capacity if _compiling() else self.counters.occupancy
+        return self.capacity if torch.compiler.is_compiling() else self.counters.occupancy
 
     def step_mask(self, length: int | None = None) -> torch.Tensor:
         """Boolean `[B, Hkv, Q, length]` (default: the capacity): which of the first
@@ -312,8 +305,7 @@ class VaSELayer(CacheLayerMixin):
         beam_idx = beam_idx.to(self.device)
         ring = (self.queries, self.query_valid) if self.queries is not None else ()
         for t in (self.keys, self.values, self.positions, self.valid, self.next_position, *ring):
-            if t is not None:
-                t.copy_(t.index_select(0, beam_idx))
+            t.copy_(t.index_select(0, beam_idx))
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("vasepatch caches cannot be cropped (evicted tokens are gone)")

@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> None:
     rows = [("vasepatch", stats["kv_bytes"])]
     if not args.no_compare:
         full = _generate(model, inputs, n)
-        rows.append(("full cache", _cache_bytes(full.get("cache") or full.get("past_key_values"))))
+        cache = full.get("cache")  # called `past_key_values` by older transformers releases
+        rows.append(("full cache", _cache_bytes(cache if cache is not None else full.past_key_values)))
         same = torch.equal(full.sequences, out.sequences)
         print(f"\nfull-cache text identical to the VaSE text: {same}")
     print(f"\n--- KV memory after {prompt_len} prompt + {n} generated tokens ---")
