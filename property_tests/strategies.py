@@ -88,6 +88,14 @@ class CacheCase:
     value_kind: str
     seed: int
     sample: bool
+    policy: str
+
+
+def evicting_policies() -> list[str]:
+    """Every registered policy that evicts (all but reference policies such as `full`)."""
+    from vasepatch import policies
+
+    return [n for n in policies.available() if policies.evicts(policies.get(n))]
 
 
 @st.composite
@@ -113,4 +121,5 @@ def cache_cases(draw, max_budget: int = 24) -> CacheCase:
         value_kind=draw(st.sampled_from(VALUE_KINDS)),
         seed=draw(st.integers(0, 2**31 - 1)),
         sample=draw(st.booleans()),
+        policy=draw(st.sampled_from(evicting_policies())),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import given
 
@@ -45,11 +46,17 @@ class Trace:
     max_occupancy: int
 
 
-def run(case: CacheCase, check=None) -> Trace:
-    """Drive a `VaSELayer` as the attention integration does; `check(layer)` runs after every step."""
-    cfg = VaSEConfig(budget=case.budget, window=case.window, protect=case.protect, sinks=case.sinks, seed=case.seed)
-    policy = policies.get("vase", protect=cfg.n_protect, sinks=cfg.sinks, smooth=cfg.smooth, sample=case.sample)
-    layer = VaSELayer(cfg, policy)
+def run(case: CacheCase, check=None, policy: str | None = None) -> Trace:
+    """Drive a `VaSELayer` as the attention integration does; `check(layer)` runs after every step.
+
+    The policy is `policy`, else the case's (drawn among every evicting policy), so the
+    cache invariants are checked for every registered policy."""
+    name = policy or case.policy
+    extra = {"sample": case.sample} if name == "vase" else {}
+    cfg = VaSEConfig(
+        budget=case.budget, window=case.window, protect=case.protect, sinks=case.sinks, seed=case.seed, policy=name
+    )
+    layer = VaSELayer(cfg, policies.get(name, protect=cfg.n_protect, sinks=cfg.sinks, smooth=cfg.smooth, **extra))
     g = torch.Generator().manual_seed(case.seed)
     b, h, hq, d = case.batch, case.kv_heads, case.kv_heads * case.groups, case.head_dim
     width = max(case.prompt_lengths)
@@ -98,9 +105,24 @@ def run(case: CacheCase, check=None) -> Trace:
     return Trace(case, layer, evictions, outputs, shadow, stable, max_occ)
 
 
+# policies that promise to keep the sinks (snapkv, rkv and random do not)
+SINK_KEEPERS = [
+    "vase",
+    "vase-topk",
+    "vase-l2",
+    "vase-var",
+    "protect-random",
+    "evict-large",
+    "vase-dkv",
+    "cur",
+    "streaming",
+]
+
+
+@pytest.mark.parametrize("name", SINK_KEEPERS)
 @given(case=cache_cases())
-def test_sinks_are_never_evicted(case):
-    for ev in run(case).evictions:
+def test_sinks_are_never_evicted(name, case):
+    for ev in run(case, policy=name).evictions:
         sink_before = ev.before_valid & (ev.before_positions < case.sinks)
         for b in range(case.batch):
             for h in range(case.kv_heads):
@@ -109,9 +131,10 @@ def test_sinks_are_never_evicted(case):
                 assert want <= have
 
 
+@pytest.mark.parametrize("name", ["vase", "vase-topk"])
 @given(case=cache_cases())
-def test_largest_range_candidates_filling_protect_are_kept(case):
-    for ev in run(case).evictions:
+def test_largest_range_candidates_filling_protect_are_kept(name, case):
+    for ev in run(case, policy=name).evictions:
         n_cand = ev.occupancy_before - case.window
         for b in range(case.batch):
             for h in range(case.kv_heads):

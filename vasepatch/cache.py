@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from vasepatch.config import VaSEConfig
+from vasepatch.policies import evicts
 from vasepatch.policies.base import Policy
 
 
@@ -106,6 +107,7 @@ class VaSELayer(CacheLayerMixin):
         self._step_len = 0
         self._step_positions: torch.Tensor | None = None  # [B, Q] positions of the current step's tokens
         self._queries_written = 0
+        self._evicts = evicts(policy)
 
     # --- allocation -------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -144,6 +146,11 @@ class VaSELayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         q_len = key_states.shape[-2]
         start = self.counters.occupancy
+        if start + q_len > self.capacity and not self._evicts:
+            raise RuntimeError(
+                f"vasepatch cache full: policy {self.config.policy!r} never evicts and {start} + {q_len} tokens "
+                f"exceed the {self.capacity} slots; give it a budget that covers the prompt and every generated token"
+            )
         if start + q_len > self.capacity:
             raise RuntimeError(
                 f"vasepatch cache overflow: {start} slots in use + {q_len} new tokens > capacity {self.capacity}. "
@@ -230,10 +237,23 @@ class VaSELayer(CacheLayerMixin):
         """Host-side trigger: not at prefill; occupancy over budget at a multiple of `window`
         past the budget, or the buffer full."""
         c, cfg = self.counters, self.config
-        if c.tokens_seen == self._step_len:  # the prefill keeps the prompt whole
+        if not self._evicts or c.tokens_seen == self._step_len:  # the prefill keeps the prompt whole
             return False
         over = c.occupancy - cfg.budget
         return over > 0 and (over % cfg.window == 0 or c.occupancy + 1 > self.capacity)
+
+    def tokens_until_eviction(self) -> int:
+        """How many tokens can be appended before the next eviction, counting the token
+        whose step evicts (the free slots when the policy never evicts). Feeding exactly
+        this many tokens in one step evicts at the same point as one-token decode steps."""
+        c, cfg = self.counters, self.config
+        if not self.is_initialized:
+            raise RuntimeError("the cache has not seen its prefill yet")
+        if not self._evicts:
+            return self.capacity - c.occupancy
+        nxt = max(c.occupancy + 1, cfg.budget + 1)
+        nxt += -(nxt - cfg.budget) % cfg.window  # next multiple of window past the budget
+        return min(nxt, self.capacity) - c.occupancy
 
     def maybe_evict(self) -> bool:
         if not self.should_evict():
@@ -335,6 +355,11 @@ class VaSECache(Cache):
         layers = [VaSELayer(config, policy, rng, c) for c in counters]
         super().__init__(layers=layers)
         self.config = config
+
+    def tokens_until_eviction(self) -> int:
+        """Tokens that one step can append so that it ends exactly where the next eviction
+        runs (see `VaSELayer.tokens_until_eviction`)."""
+        return min(layer.tokens_until_eviction() for layer in self.layers)
 
     def stats(self) -> dict[str, int]:
         return CacheMonitor([layer.counters for layer in self.layers]).snapshot(self.config.budget, self.config.window)

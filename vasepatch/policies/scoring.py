@@ -117,3 +117,38 @@ def compose_priority(protected: torch.Tensor, key: torch.Tensor, valid: torch.Te
     """`+inf` for protected, `key` for other valid candidates, `-inf` for invalid ones."""
     inf = torch.full_like(key, float("inf"))
     return torch.where(protected & valid, inf, torch.where(valid, key, -inf))
+
+
+def sink_mask(positions: torch.Tensor, valid: torch.Tensor, sinks: int) -> torch.Tensor:
+    """`[B, H, N]` bool: valid candidates at absolute positions `< sinks` (attention sinks)."""
+    return valid & (positions < sinks)
+
+
+def gaussian_projection(
+    dim: int, rank: int, device: torch.device, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """A `[dim, rank]` Gaussian sketch scaled by `1/sqrt(rank)` (float32)."""
+    g = torch.randn((dim, rank), device=device, generator=generator, dtype=torch.float32)
+    return g * (1.0 / math.sqrt(rank))
+
+
+def cur_scores(keys: torch.Tensor, values: torch.Tensor, projection: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """CUR-style leverage proxy `||K G||^2 * ||V G||^2`, normalised to sum 1 over the
+    valid candidates of each `(b, h)`; `[B, H, N]` float32, 0 for invalid candidates."""
+    k = torch.matmul(keys.float(), projection).square().sum(-1)
+    v = torch.matmul(values.float(), projection).square().sum(-1)
+    s = (k * v).masked_fill(~valid, 0.0)
+    return s / s.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def key_redundancy(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """R-KV redundancy, `[B, H, N]` float32: for each candidate the mean cosine similarity
+    of its key to the *other* valid candidates' keys, turned into a distribution by a
+    softmax over the valid candidates (invalid ones get 0)."""
+    k = F.normalize(keys.float(), dim=-1)
+    sim = torch.matmul(k, k.transpose(-1, -2))  # [B, H, N, N]
+    n = sim.shape[-1]
+    others = valid.unsqueeze(-2) & ~torch.eye(n, dtype=torch.bool, device=keys.device)
+    sim = sim.masked_fill(~others, 0.0)
+    mean = sim.sum(-1) / others.sum(-1).clamp_min(1)
+    return torch.softmax(mean.masked_fill(~valid, float("-inf")), dim=-1).nan_to_num(0.0)
