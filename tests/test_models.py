@@ -53,3 +53,22 @@ def test_cached_conversion_is_reused(tmp_path, monkeypatch):
     second = models.resolve(gguf)
     assert first == second and calls == [gguf]
     assert first.name.startswith("tiny-") and first.parent == tmp_path / "cache"
+
+
+def test_join_verified_checks_the_hash(tmp_path):
+    parts = []
+    for i, chunk in enumerate([b"abc", b"", b"defg"]):
+        parts.append(tmp_path / f"part{i}.bin")
+        parts[-1].write_bytes(chunk)
+    target = tmp_path / "out" / "joined.gguf"
+    with pytest.raises(ValueError, match="refusing"):
+        models.join_verified(parts, target, "0" * 64)
+    assert not target.exists() and not list(target.parent.iterdir())  # nothing half-written left behind
+    good = hashlib.sha256(b"abcdefg").hexdigest()
+    assert models.join_verified(parts, target, good).read_bytes() == b"abcdefg"
+    parts[0].write_bytes(b"changed")  # an existing verified file is reused as is
+    assert models.join_verified(parts, target, good).read_bytes() == b"abcdefg"
+
+
+def test_qwen_is_registered():
+    assert "qwen2.5-coder-0.5b" in models.available()
