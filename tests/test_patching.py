@@ -232,3 +232,14 @@ def test_user_cache_and_cache_implementation_are_respected(make_model):
             **{handle.cache_keyword: own},
         )
         assert own.stats()["evictions"] > 0
+
+
+def test_new_cache_with_another_config(make_model):
+    model = make_model("llama")
+    with vasepatch.patched(model, budget=32, window=8) as handle:
+        other = handle.new_cache(vasepatch.VaSEConfig(budget=16, window=4, policy="snapkv"))
+        assert isinstance(other.layers[0].policy, vasepatch.policies.SnapKVPolicy)
+        assert other.layers[0].config.budget == 16
+        assert handle.stats()["generations"] == 0  # caches of other configs are not tracked
+        with pytest.raises(ValueError, match="VaSEConfig"):
+            handle.new_cache({"budget": 16})

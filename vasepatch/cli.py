@@ -7,6 +7,7 @@ import os
 import sys
 
 from vasepatch import demo
+from vasepatch.eval import fidelity, task
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +16,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser = sub.add_parser("demo", help="generate with VaSE on SmolLM2 and compare KV memory")
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=demo.run)
+
+    eval_parser = sub.add_parser("eval", help="compare policies: fidelity to the full cache, task accuracy")
+    eval_sub = eval_parser.add_subparsers(dest="evaluation", required=True)
+    fid = eval_sub.add_parser("fidelity", help="KL / top-1 agreement / loops against the full cache")
+    fidelity.add_arguments(fid)
+    fid.set_defaults(run=fidelity.main)
+    tsk = eval_sub.add_parser("task", help="accuracy on GSM8K / MATH-500 / AIME25")
+    task.add_arguments(tsk)
+    tsk.set_defaults(run=task.main)
     return parser
 
 

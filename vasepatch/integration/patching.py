@@ -50,13 +50,20 @@ class PatchHandle:
         """The keyword under which the model takes a cache: `"cache"` (recent transformers)
         or `"past_key_values"` (older 5.x releases)."""
 
-    def new_cache(self) -> VaSECache:
+    def new_cache(self, config: VaSEConfig | None = None) -> VaSECache:
         """A fresh cache for one generation (what `generate()` gets automatically).
 
         Pass it to the model under `handle.cache_keyword` to drive it by hand:
-        `model(input_ids, **{handle.cache_keyword: handle.new_cache()})`.
+        `model(input_ids, **{handle.cache_keyword: handle.new_cache()})`. With
+        `config`, the cache follows those settings instead of the patch's (another
+        policy or budget on the same patched model); `stats()` does not track it.
         """
-        return VaSECache(self.config, self.policy, len(self.layout.attention_modules), self.monitor)
+        n_layers = len(self.layout.attention_modules)
+        if config is None:
+            return VaSECache(self.config, self.policy, n_layers, self.monitor)
+        if not isinstance(config, VaSEConfig):
+            raise ValueError(f"config must be a vasepatch.VaSEConfig, got {type(config).__name__}")
+        return VaSECache(config, policies.for_config(config), n_layers)
 
     def stats(self) -> dict[str, int]:
         """Counters of the most recent generation.
@@ -183,14 +190,7 @@ def patch(
         smooth=smooth,
         seed=seed,
     )
-    chosen = policies.get(
-        cfg.policy,
-        protect=cfg.n_protect,
-        sinks=cfg.sinks,
-        temperature=cfg.temperature,
-        smooth=cfg.smooth,
-        **dict(cfg.policy_options),
-    )
+    chosen = policies.for_config(cfg)
     attention.register()
 
     handle = PatchHandle(model, cfg, chosen, layout)

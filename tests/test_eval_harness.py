@@ -1,0 +1,171 @@
+"""The eval harness on tiny random models: chunked teacher forcing, data loading, and both
+`vasepatch eval` commands end to end (seconds, no real model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import vasepatch
+from tests.conftest import ragged_batch
+from tests.tiny_models import VOCAB
+from tests.tiny_tokenizer import tiny_tokenizer
+from vasepatch import VaSEConfig, cli
+from vasepatch.eval import data
+from vasepatch.eval.forcing import prompt_positions, teacher_force
+
+STOCHASTIC_AND_NOT = ["full", "vase", "vase-dkv", "rkv", "snapkv", "evict-large", "random"]
+
+
+def _stepwise(model, handle, config, ids, mask, continuation):
+    cache, kw = handle.new_cache(config), handle.cache_keyword
+    out = model(input_ids=ids, attention_mask=mask, position_ids=prompt_positions(mask), **{kw: cache})
+    logits, n_real = [out.logits[:, -1:]], mask.sum(-1, keepdim=True)
+    for i in range(continuation.shape[1] - 1):
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], -1)
+        out = model(input_ids=continuation[:, i : i + 1], attention_mask=mask, position_ids=n_real + i, **{kw: cache})
+        logits.append(out.logits)
+    return torch.cat(logits, 1), cache.stats()
+
+
+def test_chunked_teacher_forcing_equals_one_token_steps(make_model):
+    """Chunks end where the caches evict, so every policy (seeded) sees exactly what decode
+    steps would show it: same logits (float rounding aside) and the same evictions."""
+    model = make_model("qwen3")
+    ids, mask = ragged_batch(VOCAB, lengths=(12, 7, 3))
+    steps = 120
+    continuation = torch.randint(1, VOCAB, (3, steps), generator=torch.Generator().manual_seed(1))
+    configs = {
+        n: VaSEConfig(budget=12 + steps if n == "full" else 32, window=8, policy=n, seed=0) for n in STOCHASTIC_AND_NOT
+    }
+    with torch.no_grad(), vasepatch.patched(model, budget=32, window=8) as handle:
+        caches = {n: handle.new_cache(c) for n, c in configs.items()}
+        chunks = list(teacher_force(model, handle.cache_keyword, caches, ids, mask, continuation))
+        assert len(chunks) < steps // 4  # chunked, not one token at a time
+        for name, config in configs.items():
+            chunked = torch.cat([c[1][name] for c in chunks], 1)
+            stepwise, stats = _stepwise(model, handle, config, ids, mask, continuation)
+            assert chunked.shape == stepwise.shape == (3, steps, VOCAB)
+            assert (chunked - stepwise).abs().max().item() < 1e-5, name
+            # 119 tokens fed after a 12-token prompt: first eviction at 40 slots, then every 8 tokens
+        assert caches[name].stats()["evictions"] == stats["evictions"] == (0 if name == "full" else 12)
+
+
+def test_tokens_until_eviction_lands_on_the_trigger(make_model):
+    model = make_model("llama")
+    ids, mask = ragged_batch(VOCAB, lengths=(10,))
+    with torch.no_grad(), vasepatch.patched(model, budget=16, window=4) as handle:
+        cache = handle.new_cache()
+        model(input_ids=ids, attention_mask=mask, **{handle.cache_keyword: cache})
+        assert cache.tokens_until_eviction() == 10  # occupancy 10 -> 20 = budget + window
+        cache.layers[0].counters.occupancy = 17
+        assert cache.layers[0].tokens_until_eviction() == 3
+
+
+def test_load_examples(tmp_path, monkeypatch):
+    (tmp_path / "gsm8k").mkdir()
+    lines = [{"question": f"q{i}", "answer": f"work\n#### {i}"} for i in range(5)]
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    monkeypatch.setenv("VASEPATCH_DATA_DIR", str(tmp_path))
+    ex = data.load_examples("gsm8k:3")
+    assert [(e.question, e.answer) for e in ex] == [("q0", "0"), ("q1", "1"), ("q2", "2")]
+    own = tmp_path / "mine.jsonl"
+    own.write_text(json.dumps({"problem": "p", "answer": 7}) + "\n")
+    assert data.load_examples(f"{own}")[0] == data.Example("0", "p", "7")
+    with pytest.raises(ValueError, match="expected gsm8k/math500/aime25"):
+        data.load_examples("nope:3")
+    monkeypatch.setenv("VASEPATCH_DATA_DIR", str(tmp_path / "missing"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="VASEPATCH_DATA_DIR"):
+        data.load_examples("gsm8k:1")
+
+
+@pytest.fixture
+def tiny_dir(tmp_path, make_model):
+    """A tiny Qwen3 model with an offline character tokenizer, saved as an HF directory."""
+    model = make_model("qwen3")
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer(VOCAB).save_pretrained(tmp_path / "model")
+    data_dir = tmp_path / "data" / "gsm8k"
+    data_dir.mkdir(parents=True)
+    problems = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(3)]
+    (data_dir / "test.jsonl").write_text("\n".join(json.dumps(p) for p in problems))
+    return tmp_path
+
+
+def test_eval_fidelity_cli_end_to_end(tiny_dir):
+    out = tiny_dir / "fid"
+    args = ["eval", "fidelity", "--model", str(tiny_dir / "model"), "--prompts", "gsm8k:3", "--tokens", "40",
+            "--budget", "16", "--window", "4", "--policies", "vase,snapkv,streaming", "--batch-size", "2",
+            "--data-dir", str(tiny_dir / "data"), "--out", str(out)]  # fmt: skip
+    assert cli.main(args) == 0
+    result = json.loads((out / "fidelity.json").read_text())
+    rows = {r["policy"]: r for r in result["results"]}
+    assert list(rows) == ["full", "vase", "snapkv", "streaming"]
+    assert result["config"]["compression"] > 1
+    full = rows["full"]
+    assert full["kl"] == 0 and full["top1_agreement"] == 1 and full["first_divergence"] == 40
+    for r in rows.values():
+        assert r["n_prompts"] == 3 and r["n_tokens"] == 3 * 40
+        assert 0 <= r["top1_agreement"] <= 1 and r["kl"] >= 0 and 0 <= r["loop_rate"] <= 1
+        assert 0 <= r["first_divergence"] <= 40
+    assert any(rows[p]["kl"] > 0 for p in ("vase", "snapkv", "streaming"))  # evicting changes something
+    assert (out / "fidelity.md").read_text().count("\n|") >= 5 and (out / "fidelity.png").stat().st_size > 0
+
+
+def test_eval_probe_cli(tiny_dir):
+    g = torch.Generator().manual_seed(0)
+    probe = {
+        "prompt_ids": torch.randint(6, VOCAB, (20,), generator=g).tolist(),
+        "reference_tokens": torch.randint(6, VOCAB, (30,), generator=g).tolist(),
+        "dense_predictions": [0] * 30,
+        "anchor_results_top1_agreement": {"authors_snapkv_style_attn_smooth": 0.5},
+    }
+    path = tiny_dir / "probe.json"
+    path.write_text(json.dumps(probe))
+    out = tiny_dir / "probe-out"
+    args = ["eval", "fidelity", "--model", str(tiny_dir / "model"), "--probe", str(path), "--budget", "16",
+            "--window", "4", "--policies", "snapkv,vase", "--seeds", "2", "--out", str(out)]  # fmt: skip
+    assert cli.main(args) == 0
+    rows = {r["policy"]: r for r in json.loads((out / "probe.json").read_text())["results"]}
+    assert rows["full"]["top1_agreement"] == 1
+    assert rows["snapkv"]["reference_implementation"] == 0.5 and rows["vase"]["reference_implementation"] is None
+    assert len(rows["vase"]["top1_seeds"]) == 2
+    assert rows["snapkv"]["top1_seeds"][0] == rows["snapkv"]["top1_seeds"][1]  # deterministic
+
+
+def test_eval_task_cli_end_to_end_and_resume(tiny_dir, monkeypatch):
+    out = tiny_dir / "task"
+    args = ["eval", "task", "--task", "gsm8k", "--model", str(tiny_dir / "model"), "--limit", "3", "--policies",
+            "full,vase", "--budget", "16", "--window", "4", "--samples", "2", "--max-new-tokens", "24",
+            "--batch-size", "4", "--data-dir", str(tiny_dir / "data"), "--out", str(out)]  # fmt: skip
+    assert cli.main(args) == 0
+    result = json.loads((out / "gsm8k.json").read_text())
+    rows = {r["policy"]: r for r in result["results"]}
+    assert set(rows) == {"full", "vase"}
+    for r in rows.values():
+        assert r["n"] == 6 and 0 <= r["accuracy"] <= 1 and r["stderr"] >= 0 and 0 < r["mean_tokens"] <= 24
+        assert r["kv_bytes"] > 0
+    records = [json.loads(x) for x in (out / "gsm8k-vase.jsonl").read_text().splitlines()]
+    assert sorted((r["id"], r["sample"]) for r in records) == [(str(i), s) for i in range(3) for s in range(2)]
+    assert all(r["answer"] == str(2 * int(r["id"])) for r in records)
+
+    # a resumed run finds everything done and generates nothing
+    from vasepatch.eval import task
+
+    def fail(*a, **k):
+        raise AssertionError("resumed run generated again")
+
+    monkeypatch.setattr(task, "generate_batch", fail)
+    assert cli.main(args) == 0
+    assert json.loads((out / "gsm8k.json").read_text())["results"] == result["results"]
+
+
+def test_eval_rejects_bad_settings_before_loading(tiny_dir):
+    with pytest.raises(ValueError, match="unknown policies"):
+        cli.main(["eval", "task", "--policies", "vase,nope", "--model", "/nonexistent"])
+    with pytest.raises(ValueError, match="window must be smaller than budget"):
+        cli.main(["eval", "fidelity", "--budget", "8", "--window", "8", "--model", "/nonexistent"])

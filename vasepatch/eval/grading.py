@@ -1,0 +1,114 @@
+"""Answer extraction and grading.
+
+GSM8K and AIME answers are numbers: the model's final answer (the last
+`\\boxed{...}`, else the last number in the text) is parsed to a number and
+compared with the reference (`|a - b| <= 1e-6 * max(1, |b|)`). MATH answers are
+graded with HuggingFace's `math-verify` (symbolic equivalence of LaTeX answers;
+install `vasepatch[eval]`), with a plain normalised-string comparison as the
+fallback when it is not installed.
+"""
+
+from __future__ import annotations
+
+import re
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_FRAC = re.compile(r"\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), braces balanced; None if absent."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j].strip()
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer: the last boxed expression, else the last number in the text."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def parse_number(text: str | None) -> float | None:
+    """A number from an answer string: drops `$`, `%`, thousands commas, `\\text{...}`
+    units and LaTeX spacing; understands `a/b` and `\\frac{a}{b}`. None if no number."""
+    if text is None:
+        return None
+    s = re.sub(r"\\text\{[^}]*\}|\\[,;!]|\\%|\\\$|\\left|\\right|[$%]", "", text)
+    s = s.replace("\\cdot", "*").strip()
+    frac = _FRAC.search(s)
+    if frac:
+        num, den = float(frac.group(1)), float(frac.group(2))
+        return num / den if den else None
+    numbers = _NUMBER.findall(s)
+    if not numbers:
+        return None
+    token = numbers[-1].replace(",", "")
+    try:
+        if "/" in token:
+            num, den = token.split("/")
+            return float(num) / float(den) if float(den) else None
+        return float(token)
+    except ValueError:
+        return None
+
+
+def numbers_equal(a: float | None, b: float | None) -> bool:
+    return a is not None and b is not None and abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+def grade_numeric(completion: str, gold: str) -> tuple[str | None, bool]:
+    """(extracted answer, correct) for numeric tasks (GSM8K, AIME)."""
+    extracted = extract_answer(completion)
+    return extracted, numbers_equal(parse_number(extracted), parse_number(gold))
+
+
+def _normalise(s: str) -> str:
+    s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\\left|\\right|\\!|\\,|\\;|\s+|\$", "", s)
+    return s.rstrip(".").lower()
+
+
+def grade_math(completion: str, gold: str) -> tuple[str | None, bool]:
+    """(extracted answer, correct) for MATH-style LaTeX answers."""
+    extracted = last_boxed(completion)
+    if extracted is None:
+        extracted = extract_answer(completion)
+    if extracted is None:
+        return None, False
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return extracted, _normalise(extracted) == _normalise(gold)
+    gold_parsed = parse(f"${gold}$")
+    pred_parsed = parse(f"${extracted}$")
+    if gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed):
+        return extracted, True
+    return extracted, _normalise(extracted) == _normalise(gold)
+
+
+GRADERS = {"gsm8k": grade_numeric, "aime25": grade_numeric, "math500": grade_math}
+
+
+def grade(task: str, completion: str, gold: str) -> tuple[str | None, bool]:
+    """Grade `completion` against `gold` with the grader of `task`."""
+    try:
+        return GRADERS[task](completion, gold)
+    except KeyError:
+        raise ValueError(f"no grader for task {task!r}; tasks: {', '.join(GRADERS)}") from None
