@@ -99,12 +99,12 @@ def tiny_dir(tmp_path, make_model):
 def test_eval_fidelity_cli_end_to_end(tiny_dir):
     out = tiny_dir / "fid"
     args = ["eval", "fidelity", "--model", str(tiny_dir / "model"), "--prompts", "gsm8k:3", "--tokens", "40",
-            "--budget", "16", "--window", "4", "--policies", "vase,snapkv,streaming", "--batch-size", "2",
+            "--budget", "16", "--window", "4", "--policies", "snapkv,full,vase,streaming", "--batch-size", "2",
             "--data-dir", str(tiny_dir / "data"), "--out", str(out)]  # fmt: skip
     assert cli.main(args) == 0
     result = json.loads((out / "fidelity.json").read_text())
     rows = {r["policy"]: r for r in result["results"]}
-    assert list(rows) == ["full", "vase", "snapkv", "streaming"]
+    assert list(rows) == ["full", "snapkv", "vase", "streaming"]  # the reference first, wherever it was asked
     assert result["config"]["compression"] > 1
     full = rows["full"]
     assert full["kl"] == 0 and full["top1_agreement"] == 1 and full["first_divergence"] == 40
@@ -162,6 +162,9 @@ def test_eval_task_cli_end_to_end_and_resume(tiny_dir, monkeypatch):
     monkeypatch.setattr(task, "generate_batch", fail)
     assert cli.main(args) == 0
     assert json.loads((out / "gsm8k.json").read_text())["results"] == result["results"]
+    # other settings never mix with old records
+    with pytest.raises(ValueError, match="other settings"):
+        cli.main([*args[:-1], str(out), "--budget", "20"])
 
 
 def test_eval_rejects_bad_settings_before_loading(tiny_dir):

@@ -3,8 +3,8 @@
 Per prompt batch:
 
 1. A reference continuation of `tokens` tokens is *sampled* from the full cache
-   (`reference_temperature`, seeded, end-of-sequence suppressed so every row has
-   the same length). Greedy references loop on small models and flatter every
+   (`reference_temperature`, seeded, EOS/BOS/padding tokens suppressed so every
+   row has the same length). Greedy references loop on small models and flatter every
    policy under teacher forcing.
 2. The reference is teacher-forced through every policy's cache in lockstep
    with a never-evicting cache (`full`); per generated position we record
@@ -81,8 +81,7 @@ class Settings:
         unknown = [p for p in self.policies if p not in policies.available()]
         if unknown:
             raise ValueError(f"unknown policies {unknown}; registered: {', '.join(policies.available())}")
-        if "full" not in self.policies:
-            self.policies = ["full", *self.policies]
+        self.policies = ["full", *[p for p in self.policies if p != "full"]]  # the reference comes first
         self.policy_config("vase")  # validates budget/window/protect/... before any work
 
     def policy_config(self, name: str, seed: int | None = None, full_length: int = 0) -> VaSEConfig:
@@ -105,12 +104,14 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="run", dynamic_ncols=True)
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))
+def _end_ids(model, tokenizer) -> list[int]:
+    """Tokens that end or frame a turn (EOS, BOS, padding): suppressed in forced-length samples."""
+    ids: set[int] = set()
+    for source in (model.generation_config, tokenizer):
+        for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            value = getattr(source, attr, None)
+            ids.update([value] if isinstance(value, int) else list(value or []))
+    return sorted(ids)
 
 
 def sample(model, ids, mask, settings: Settings, seed: int, pad_id: int, suppress: list[int]) -> torch.Tensor:
@@ -154,7 +155,7 @@ def run_prompts(settings: Settings, model, tokenizer) -> tuple[dict[str, Any], l
     texts = data.chat_prompts(tokenizer, [e.question for e in examples])
     batches = [texts[i : i + settings.batch_size] for i in range(0, len(texts), settings.batch_size)]
     pad_id = tokenizer.pad_token_id
-    suppress = _eos_ids(model, tokenizer)
+    suppress = _end_ids(model, tokenizer)
     names = settings.policies
     per_row: dict[str, dict[str, list[torch.Tensor]]] = {n: {m: [] for m in METRICS} for n in names}
     free: dict[str, dict[str, list[float]]] = {n: {"loop": [], "div": []} for n in names}

@@ -39,7 +39,7 @@ def write(
     paths = [out / f"{stem}.json", out / f"{stem}.md"]
     paths[0].write_text(json.dumps({"config": config, "results": results}, indent=2) + "\n")
     settings = ", ".join(f"{k}={v}" for k, v in config.items() if not isinstance(v, (dict, list)))
-    paths[1].write_text(f"# {title}\n\n{settings}\n\n{markdown_table(results, columns)}")
+    paths[1].write_text(f"**{title}** ({settings})\n\n{markdown_table(results, columns)}")
     if plot is not None:
         import matplotlib
 

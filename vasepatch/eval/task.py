@@ -86,7 +86,15 @@ def _work(settings: TaskSettings, examples: list[data.Example]) -> list[list[tup
     return [items[i : i + settings.batch_size] for i in range(0, len(items), settings.batch_size)]
 
 
-def _done(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
+def run_key(settings: TaskSettings, name: str, model_class: str) -> str:
+    """What the records of policy `name` depend on; a resumed run must match it exactly."""
+    keep = ["model", "task", "samples", "temperature", "top_p", "max_new_tokens", "seed", "batch_size"]
+    if name != "full":
+        keep += ["budget", "window", "protect", "sinks", "score_temperature", "smooth"]
+    return json.dumps({"policy": name, "model_class": model_class, **{k: getattr(settings, k) for k in keep}})
+
+
+def _done(path: Path, key: str) -> dict[tuple[str, int], dict[str, Any]]:
     records = {}
     if path.is_file():
         for line in path.read_text().splitlines():
@@ -95,12 +103,18 @@ def _done(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
                     r = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut by an interruption: that item is run again
+                if r.get("run") != key:
+                    raise ValueError(
+                        f"{path} holds results of other settings ({r.get('run')}); resume only with the same "
+                        "settings, or choose another --out"
+                    )
                 records[(r["id"], r["sample"])] = r
     return records
 
 
 def generate_batch(model, tokenizer, settings: TaskSettings, name: str, questions: list[str], seed: int):
-    """Completions of one batch with policy `name`: `[(token ids, prompt_length)]`."""
+    """Completions of one batch with policy `name`: per row `(generated ids up to and including
+    EOS, real prompt length, hit max_new_tokens, padded prompt length)`."""
     ids, mask = data.encode(tokenizer, data.chat_prompts(tokenizer, questions))
     cfg = settings.policy_config(name, ids.shape[1])
     sampling = {"do_sample": False}
@@ -127,7 +141,8 @@ def generate_batch(model, tokenizer, settings: TaskSettings, name: str, question
 def run_policy(settings: TaskSettings, name: str, model, tokenizer, examples, bar) -> list[dict[str, Any]]:
     path = Path(settings.out) / f"{settings.task}-{name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    done = _done(path)
+    key = run_key(settings, name, type(model).__name__)
+    done = _done(path, key)
     per_token = kv_bytes_per_token(model)
     for b, batch in enumerate(_work(settings, examples)):
         if all((examples[i].id, s) in done for i, s in batch):
@@ -156,6 +171,7 @@ def run_policy(settings: TaskSettings, name: str, model, tokenizer, examples, ba
                     "looping": metrics.is_looping(tokens),
                     "kv_bytes": held * per_token,
                     "text": text,
+                    "run": key,
                 }
                 if (ex.id, s) not in done:
                     f.write(json.dumps(record) + "\n")
