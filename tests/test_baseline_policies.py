@@ -121,10 +121,10 @@ def test_full_never_evicts():
 
 
 def test_evict_large_drops_the_largest_ranges():
-    # ranges r = [0.1, 5.0, 0.2, 0.3, 0.4, 0.5]; protect=3 with 1 sink: the 2 largest non-sink
-    # ranges (index 1 and 5) are evicted on purpose, the rest is the top attention (4, 3)
+    # ranges r = [0.1, 5.0, 0.2, 0.3, 0.4, 0.5]; protect=3 with 1 sink: the 3 largest non-sink
+    # ranges (indices 1, 5, 4) are evicted on purpose, the rest is the top attention (3, 2)
     policy = policies.get("evict-large", protect=3, sinks=1, smooth=1, sample=False)
-    assert _kept(policy, 3) == [0, 3, 4]
+    assert _kept(policy, 3) == [0, 2, 3]
     vase = policies.get("vase", protect=3, sinks=1, smooth=1, sample=False)
     assert _kept(vase, 3) == [0, 1, 5]
     # when nothing else is left, banned candidates fill the quota

@@ -34,7 +34,8 @@ from vasepatch.config import VaSEConfig
 from vasepatch.eval import data, metrics, report
 from vasepatch.eval.forcing import teacher_force
 
-# Policy names of the probe file's anchor results (the authors' implementation and kvpress).
+# Our policy names -> the probe file's anchor results of the authors' implementation. (Its kvpress
+# anchors are another library's policies, with known differences, so they are not matched.)
 PROBE_ANCHORS = {
     "full": "dense",
     "vase": "authors_vase_attnv_range_sink_sample_attn_n_large_64_smooth",
@@ -42,7 +43,6 @@ PROBE_ANCHORS = {
     "snapkv": "authors_snapkv_style_attn_smooth",
     "rkv": "authors_rkv_lambda_0.5_smooth",
     "evict-large": "authors_ablation_evict_large_range",
-    "streaming": "kvpress_0.5.5_decodingpress_streamingllm",
 }
 METRICS = ("kl", "top1", "nll_delta")
 
@@ -263,13 +263,17 @@ def run_probe(settings: Settings, model, tokenizer) -> tuple[dict[str, Any], lis
             }
         )
     config = _config_dict(settings, model)
+    for unused in ("prompts", "tokens", "reference_temperature", "batch_size"):
+        config.pop(unused)
     config["probe"] = Path(settings.probe).name
     config["dense_matches_file"] = (dense == file_dense).float().mean().item()
     return config, results
 
 
 def _config_dict(settings: Settings, model) -> dict[str, Any]:
-    d = {k: v for k, v in vars(settings).items() if k not in ("out", "data_dir")}
+    d = {k: v for k, v in vars(settings).items() if k not in ("out", "data_dir", "probe", "seeds")}
+    if settings.probe:
+        d["seeds"] = settings.seeds
     d["model_class"] = type(model).__name__
     d["protect_effective"] = settings.policy_config("vase").n_protect
     d["torch"] = torch.__version__

@@ -32,9 +32,9 @@ class VaSEPolicy:
 
     `protection` selects the ablations of step 1: `"largest"` (VaSE), `"random"`
     (the non-sink protected slots go to uniformly random candidates), or
-    `"evict-largest"` (only the sinks are protected, and the `protect - sinks`
-    non-sink candidates with the largest `score` are evicted on purpose; they are
-    kept only when nothing else is left to keep).
+    `"evict-largest"` (only the sinks are protected, and the `protect` non-sink
+    candidates with the largest `score` are evicted on purpose; they are kept
+    only when nothing else is left to keep).
 
     Options: `protect` (default 0: no protection beyond what the caller asks),
     `sinks`, `temperature`, `smooth`, `score`, `sample`, `protection`.
@@ -90,7 +90,7 @@ class VaSEPolicy:
             return torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
         sink = scoring.sink_mask(positions, valid, self.sinks)
         r = scoring.value_scores(values, self.score).masked_fill(~valid | sink, float("-inf"))
-        n_ban = min(max(self.protect - self.sinks, 0), n)
+        n_ban = min(self.protect, n)
         top = torch.topk(r, n_ban, dim=-1, sorted=False).indices
         return scoring.mask_of(top, n) & valid & ~sink
 
