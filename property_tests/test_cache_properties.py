@@ -160,17 +160,28 @@ def test_last_window_tokens_are_kept_in_place(case):
 
 
 @given(case=cache_cases())
-def test_eviction_keeps_exactly_min_budget_valid_without_duplicates_or_leading_padding(case):
+def test_eviction_keeps_exactly_min_budget_valid_without_duplicates(case):
     for ev in run(case).evictions:
         n_valid_before = ev.before_valid.sum(-1)
         assert torch.equal(ev.after_valid.sum(-1), n_valid_before.clamp(max=case.budget))
-        kept = ev.after_valid[:, :, : case.budget - case.window]
-        # no padding ahead of a real token among the kept candidates
-        assert not (~kept[..., :-1] & kept[..., 1:]).any()
         for b in range(case.batch):
             for h in range(case.kv_heads):
                 pos = ev.after_positions[b, h][ev.after_valid[b, h]].tolist()
                 assert len(pos) == len(set(pos))
+
+
+@given(case=cache_cases())
+def test_attendable_slots_are_one_contiguous_range_ending_at_the_fill_pointer(case):
+    """What varlen kernels rely on: per row and KV head, padding first, then real tokens
+    up to the fill pointer, after every step and every eviction."""
+
+    def check(layer, shadow):
+        occ = layer.counters.occupancy
+        assert int(layer.fill) == occ
+        valid = layer.valid[:, :, :occ]
+        assert not (valid[..., :-1] & ~valid[..., 1:]).any()  # no real token ahead of padding
+
+    run(case, check)
 
 
 @given(case=cache_cases())

@@ -110,4 +110,5 @@ class ReferenceCache:
             else:
                 priority.append(-math.inf)
         kept = sorted(sorted(range(n_cand), key=lambda c: -priority[c])[:n_keep])
-        return [cand[c] for c in kept if cand[c].valid] + [cand[c] for c in kept if not cand[c].valid] + recent
+        # kept padding first, then real tokens in sequence order, then the window
+        return [cand[c] for c in kept if not cand[c].valid] + [cand[c] for c in kept if cand[c].valid] + recent

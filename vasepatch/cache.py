@@ -3,10 +3,21 @@
 One `VaSELayer` per decoder layer, gathered in a `VaSECache` (a transformers
 `Cache`). Buffers are allocated once, at the first update (the prefill), with
 `max(prompt_len, budget) + window` slots per row and KV head, and never
-reallocated: appends write into slices, evictions gather the kept slots to the
-front in place. The trigger is a host-side counter (the number of appended
-tokens is known from input shapes), so the decode path never syncs with the
-device. Which slots survive is decided by a `Policy`; the cache only moves data.
+reallocated: appends write at a device-side fill pointer, evictions gather the
+kept slots to the front in place. The trigger is a host-side counter (the number
+of appended tokens is known from input shapes), so the decode path never syncs
+with the device. Which slots survive is decided by a `Policy`; the cache only
+moves data.
+
+Layout invariant: in every row and KV head the attendable slots form one
+contiguous range `[fill - n_valid, fill)` (left padding first, then real tokens
+in sequence order), which is what varlen attention kernels need.
+
+Under `torch.compile` the step touches only tensors: the write slot, the query
+ring pointer and the sequence length live on the device, so one decode graph
+serves every step. The host-side bookkeeping (counters, eviction trigger) of a
+compiled step is deferred to `VaSELayer.complete_step`, which the patched
+model runs eagerly after each forward.
 """
 
 from __future__ import annotations
@@ -86,7 +97,7 @@ class VaSELayer(CacheLayerMixin):
     kernel -> `observe_queries(q)` -> `maybe_evict()`.
     """
 
-    is_compileable = False
+    is_compileable = True
     is_croppable = False
     is_sliding = False
 
@@ -103,10 +114,8 @@ class VaSELayer(CacheLayerMixin):
         self.rng = rng if rng is not None else SeededGenerator(config.seed)
         self.counters = counters if counters is not None else LayerCounters()
         self._pending_padding: torch.Tensor | None = None
-        self._step_start = 0  # first slot written by the current step
-        self._step_len = 0
-        self._step_positions: torch.Tensor | None = None  # [B, Q] positions of the current step's tokens
-        self._queries_written = 0
+        self._step_len = 0  # tokens appended by the most recent step
+        self._pending_len = 0  # tokens appended by a compiled step whose host bookkeeping is due
         self._evicts = evicts(policy)
 
     # --- allocation -------------------------------------------------------------------------
@@ -122,11 +131,27 @@ class VaSELayer(CacheLayerMixin):
         self.positions = torch.full((b, h, capacity), -1, dtype=torch.long, device=dev)
         self.valid = torch.zeros((b, h, capacity), dtype=torch.bool, device=dev)
         self.next_position = torch.zeros((b,), dtype=torch.long, device=dev)
+        # device-side step state: read and advanced inside the (compiled) step, never on the host
+        self.fill = torch.zeros((), dtype=torch.long, device=dev)  # next free slot
+        self.seen = torch.zeros((), dtype=torch.long, device=dev)  # tokens appended (= tokens_seen)
+        self.ring = torch.zeros((), dtype=torch.long, device=dev)  # next slot of the query ring
+        self.slot_index = torch.arange(capacity, device=dev)
         self.queries: torch.Tensor | None = None  # [B, Hq, W, D], allocated at the first observe_queries
+        self.query_valid: torch.Tensor | None = None
         self.capacity = capacity
         self.counters.capacity = capacity
         self.counters.kv_bytes = self.keys.nbytes + self.values.nbytes
         self.is_initialized = True
+        self._mark_static(self.keys, self.values, self.positions, self.valid, self.next_position)
+        self._mark_static(self.fill, self.seen, self.ring, self.slot_index)
+
+    @staticmethod
+    def _mark_static(*tensors: torch.Tensor) -> None:
+        """Tell dynamo these buffers keep their address (CUDA graphs may then read and
+        write them in place); a no-op outside compilation and while tracing."""
+        if not torch.compiler.is_compiling():
+            for t in tensors:
+                torch._dynamo.mark_static_address(t)
 
     # --- one step ---------------------------------------------------------------------------
     def prepare_step(self, padding_mask: torch.Tensor | None) -> None:
@@ -141,22 +166,14 @@ class VaSELayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `Q` new tokens (keys after RoPE); return the whole static buffers."""
+        """Append `Q` new tokens (keys after RoPE) at the fill pointer; return the whole
+        static buffers."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q_len = key_states.shape[-2]
-        start = self.counters.occupancy
-        if start + q_len > self.capacity and not self._evicts:
-            raise RuntimeError(
-                f"vasepatch cache full: policy {self.config.policy!r} never evicts and {start} + {q_len} tokens "
-                f"exceed the {self.capacity} slots; give it a budget that covers the prompt and every generated token"
-            )
-        if start + q_len > self.capacity:
-            raise RuntimeError(
-                f"vasepatch cache overflow: {start} slots in use + {q_len} new tokens > capacity {self.capacity}. "
-                "The capacity is fixed at the first forward (max(prompt, budget) + window); feed later tokens one "
-                "decode step at a time, as generate() does."
-            )
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            self._check_room(q_len)
         padding, self._pending_padding = self._pending_padding, None
         if padding is None:
             new_valid = torch.ones((self.batch_size, q_len), dtype=torch.bool, device=self.device)
@@ -170,41 +187,66 @@ class VaSELayer(CacheLayerMixin):
         new_pos = (self.next_position.unsqueeze(-1) + counts - 1).masked_fill_(~new_valid, -1)
         self.next_position += counts[:, -1]
 
-        # narrow + copy_: the cheapest in-place write into the static storage
-        self.keys.narrow(2, start, q_len).copy_(key_states)
-        self.values.narrow(2, start, q_len).copy_(value_states)
-        self.positions.narrow(2, start, q_len).copy_(new_pos.unsqueeze(1))
-        self.valid.narrow(2, start, q_len).copy_(new_valid.unsqueeze(1))
-        end = start + q_len
-
-        self._step_start, self._step_len, self._step_positions = start, q_len, new_pos
-        self.counters.occupancy = end
-        self.counters.tokens_seen += q_len
+        slots = self.fill + self.slot_index[:q_len]  # device-side: no host offset, no recompile
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        h = self.num_heads
+        self.positions.index_copy_(2, slots, new_pos.unsqueeze(1).expand(-1, h, -1))
+        self.valid.index_copy_(2, slots, new_valid.unsqueeze(1).expand(-1, h, -1))
+        self.fill += q_len
+        self.seen += q_len
+        self._step_len = q_len
+        if compiling:
+            self._pending_len = q_len  # host counters catch up in complete_step, outside the graph
+        else:
+            self._advance(q_len)
         return self.keys, self.values
+
+    def _check_room(self, q_len: int) -> None:
+        start = self.counters.occupancy
+        if start + q_len > self.capacity and not self._evicts:
+            raise RuntimeError(
+                f"vasepatch cache full: policy {self.config.policy!r} never evicts and {start} + {q_len} tokens "
+                f"exceed the {self.capacity} slots; give it a budget that covers the prompt and every generated token"
+            )
+        if start + q_len > self.capacity:
+            raise RuntimeError(
+                f"vasepatch cache overflow: {start} slots in use + {q_len} new tokens > capacity {self.capacity}. "
+                "The capacity is fixed at the first forward (max(prompt, budget) + window); feed later tokens one "
+                "decode step at a time, as generate() does."
+            )
+
+    def _advance(self, q_len: int) -> None:
+        self.counters.occupancy += q_len
+        self.counters.tokens_seen += q_len
+
+    def _step_slots(self, q_len: int) -> torch.Tensor:
+        """Slots written by the current step (the last `q_len` before the fill pointer)."""
+        return self.fill - q_len + self.slot_index[:q_len]
 
     def attended_slots(self) -> int:
         """How many leading slots the kernel should read: the occupied ones when running
         eagerly (less work), the whole buffer under `torch.compile` (static shapes)."""
         return self.capacity if torch.compiler.is_compiling() else self.counters.occupancy
 
-    def step_mask(self, length: int | None = None) -> torch.Tensor:
+    def step_mask(self, length: int | None = None, q_len: int | None = None) -> torch.Tensor:
         """Boolean `[B, Hkv, Q, length]` (default: the capacity): which of the first
-        `length` slots each new query may attend to.
+        `length` slots each of the current step's `Q` queries may attend to.
 
         A slot is visible if it holds a real token at a position not after the
         query's. In a multi-token step a padding query sees only its own slot, so
         no row is empty. A decode step (one token) sees every valid slot: its own
         slot is one of them, and the mask is a view of `valid`, with no copy.
         """
-        start, q_len = self._step_start, self._step_len
+        q_len = self._step_len if q_len is None else q_len
         n = self.capacity if length is None else length
         valid = self.valid.narrow(2, 0, n)
         if q_len == 1:  # decode: every valid slot is in the past
             return valid.unsqueeze(-2)
-        qpos = self._step_positions[:, None, :, None]  # [B, 1, Q, 1]
+        own = self._step_slots(q_len)
+        qpos = self.positions[:, 0].index_select(-1, own)[:, None, :, None]  # [B, 1, Q, 1]
         mask = valid.unsqueeze(-2) & (self.positions.narrow(2, 0, n).unsqueeze(-2) <= qpos)
-        own = torch.arange(start, start + q_len, device=self.device)
-        mask[:, :, torch.arange(q_len, device=self.device), own] = True
+        mask[:, :, self.slot_index[:q_len], own] = True
         return mask
 
     def observe_queries(self, query_states: torch.Tensor) -> None:
@@ -214,19 +256,14 @@ class VaSELayer(CacheLayerMixin):
             b, hq, _, d = query_states.shape
             self.queries = torch.zeros((b, hq, window, d), dtype=query_states.dtype, device=self.device)
             self.query_valid = torch.zeros((b, window), dtype=torch.bool, device=self.device)
+            self._mark_static(self.queries, self.query_valid)
         q_len = query_states.shape[-2]
         m = min(q_len, window)
-        new_valid = self.valid[:, 0].narrow(-1, self._step_start + q_len - m, m)  # [B, m]
-        q = query_states.narrow(2, q_len - m, m)
-        first = self._queries_written % window
-        if first + m <= window:
-            self.queries.narrow(2, first, m).copy_(q)
-            self.query_valid.narrow(1, first, m).copy_(new_valid)
-        else:
-            slots = torch.tensor([(first + j) % window for j in range(m)], device=self.device)
-            self.queries[:, :, slots] = q
-            self.query_valid[:, slots] = new_valid
-        self._queries_written += m
+        new_valid = self.valid[:, 0].index_select(-1, self._step_slots(m))  # [B, m]
+        ring_slots = (self.ring + self.slot_index[:m]) % window
+        self.queries.index_copy_(2, ring_slots, query_states.narrow(2, q_len - m, m))
+        self.query_valid.index_copy_(1, ring_slots, new_valid)
+        self.ring.add_(m).remainder_(window)
 
     def window_queries(self) -> torch.Tensor:
         """The ring of recent queries `[B, Hq, W, D]`, padding queries zeroed (a zero query
@@ -261,6 +298,21 @@ class VaSELayer(CacheLayerMixin):
         self.evict()
         return True
 
+    def end_step(self) -> None:
+        """Last call of a step from the attention kernel: evict now when running
+        eagerly; under compilation leave it to `complete_step` (after the graph)."""
+        if not torch.compiler.is_compiling():
+            self.maybe_evict()
+
+    def complete_step(self) -> bool:
+        """Host-side bookkeeping of a compiled step (counters, eviction), run eagerly
+        after the forward; a no-op after an eager step. Returns whether it evicted."""
+        if not self._pending_len:
+            return False
+        self._advance(self._pending_len)
+        self._pending_len = 0
+        return self.maybe_evict()
+
     def evict(self) -> None:
         """Bring occupancy back to `budget`: keep the last `window` slots, let the policy
         pick `budget - window` of the older ones, gather all kept slots to the front."""
@@ -277,9 +329,10 @@ class VaSELayer(CacheLayerMixin):
             n_keep,
             generator=self.rng.get(self.device),
         )
-        # Real tokens first, each group in slot (= sequence) order.
+        # Kept padding first, then real tokens in slot (= sequence) order: each row's
+        # attendable slots stay one contiguous range ending at the fill pointer.
         kept_valid = self.valid[:, :, cand].gather(-1, idx)
-        order = torch.argsort(idx + n_cand * (~kept_valid).long(), dim=-1)
+        order = torch.argsort(idx + n_cand * kept_valid.long(), dim=-1)
         idx = idx.gather(-1, order)
         recent = torch.arange(n_cand, occ, device=self.device).expand(*idx.shape[:2], cfg.window)
         full = torch.cat([idx, recent], dim=-1)  # [B, Hkv, budget]
@@ -290,15 +343,25 @@ class VaSELayer(CacheLayerMixin):
         self.valid[:, :, :b] = self.valid.gather(2, full)
         self.valid[:, :, b:occ] = False
         self.positions[:, :, b:occ] = -1
+        self.fill.fill_(b)
         self.counters.occupancy = b
         self.counters.evictions += 1
         self.counters.evicted += occ - b
 
     # --- CacheLayerMixin API ----------------------------------------------------------------
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Tokens appended so far (padding included). Under compilation a 0-d device
+        tensor, so that reading it neither syncs nor specialises the graph."""
+        if torch.compiler.is_compiling() and self.is_initialized:
+            return self.seen
         return self.counters.tokens_seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Only vasepatch's own mask function sees these, and it ignores them: the cache
+        # builds the real mask. Under compilation report the static buffer instead of
+        # the growing length, which would specialise the graph on every step.
+        if torch.compiler.is_compiling() and self.is_initialized:
+            return self.capacity + query_length, 0
         return self.counters.tokens_seen + query_length, 0
 
     def get_max_length(self) -> int:
@@ -312,11 +375,13 @@ class VaSELayer(CacheLayerMixin):
             self.valid.zero_()
             self.positions.fill_(-1)
             self.next_position.zero_()
+            for t in (self.fill, self.seen, self.ring):
+                t.zero_()
             if self.queries is not None:
                 self.queries.zero_()
                 self.query_valid.zero_()
         self.counters.occupancy = self.counters.tokens_seen = 0
-        self._queries_written = 0
+        self._pending_len = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: permute rows in place (storage unchanged)."""
@@ -355,6 +420,11 @@ class VaSECache(Cache):
         layers = [VaSELayer(config, policy, rng, c) for c in counters]
         super().__init__(layers=layers)
         self.config = config
+
+    def complete_step(self) -> int:
+        """Host-side bookkeeping of a compiled forward, run eagerly after it (the patched
+        model does this itself); returns how many layers evicted."""
+        return sum(layer.complete_step() for layer in self.layers)
 
     def tokens_until_eviction(self) -> int:
         """Tokens that one step can append so that it ends exactly where the next eviction

@@ -47,9 +47,10 @@ def vasepatch_attention(
     layer = kwargs.get(LAYER_KWARG)
     if layer is not None:
         n = layer.attended_slots()
-        out = grouped_attention(query, key[:, :, :n], value[:, :, :n], layer.step_mask(n), scaling, kernel)
+        mask = layer.step_mask(n, query.shape[-2])
+        out = grouped_attention(query, key[:, :, :n], value[:, :, :n], mask, scaling, kernel)
         layer.observe_queries(query)
-        layer.maybe_evict()
+        layer.end_step()
         return out, None
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("vasepatch expects a 2-D padding mask; got a prepared 4-D mask")

@@ -9,7 +9,11 @@ A patch changes only the given model *instance*:
 - each attention module's `forward` is wrapped to hand its `VaSELayer` to the
   kernel;
 - `_prepare_cache_for_generation` is overridden so that `generate()` builds a
-  `VaSECache` on its own, with no extra arguments.
+  `VaSECache` on its own, with no extra arguments;
+- a forward hook finishes each step on the host (counters, eviction) when the
+  forward ran compiled, and `get_compiled_call` / `create_masks_for_generate`
+  are overridden so that generate's own compilation of the decode step compiles
+  `forward` (keeping that hook eager) and feeds it a static-shape padding mask.
 
 `unpatch` undoes each change in reverse order; weights are never touched.
 """
@@ -230,6 +234,77 @@ def _apply(model: torch.nn.Module, layout: ModelLayout, handle: PatchHandle, und
         return original_prepare(generation_config, model_kwargs, *args, **kwargs)
 
     _set_instance_attr(model, "_prepare_cache_for_generation", _prepare_cache_for_generation, undo)
+    _install_compile_support(model, undo)
+
+
+def _find_cache(kwargs: dict[str, Any]) -> VaSECache | None:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return cache if isinstance(cache, VaSECache) else None
+
+
+def _complete_step(module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+    """Forward hook: host-side bookkeeping of a compiled step (a no-op after an eager one)."""
+    cache = _find_cache(kwargs)
+    if cache is not None:
+        cache.complete_step()
+
+
+def _install_compile_support(model: torch.nn.Module, undo: list[Callable[[], None]]) -> None:
+    """Make both of transformers' compile routes work with the vasepatch cache.
+
+    1. `model.forward = torch.compile(model.forward, fullgraph=True)`: the forward
+       hook runs in `nn.Module.__call__`, outside the compiled forward.
+    2. `generate()` compiling the decode step itself (the cache is compileable):
+       it would compile `__call__`, hooks included; we compile `forward` and run
+       the hook after it instead.
+    In both, generate builds the decode step's mask with `create_masks_for_generate`;
+    the vasepatch cache needs only the padding flags of the new tokens, a
+    `[batch, new tokens]` slice whose shape does not grow with the sequence.
+    """
+    hook = model.register_forward_hook(_complete_step, with_kwargs=True)
+    undo.append(hook.remove)
+
+    compiled: dict[str, Any] = {}
+
+    def get_compiled_call(compile_config: Any = None) -> Callable[..., Any]:
+        if compile_config is None:
+            default = getattr(model, "_default_compile_config", None)
+            compile_config = default() if default is not None else _compile_config_class()()
+        if compiled.get("config") != compile_config:
+            compiled["config"] = compile_config
+            compiled["forward"] = torch.compile(model.forward, **compile_config.to_dict())
+        forward = compiled["forward"]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            _complete_step(model, args, kwargs, out)
+            return out
+
+        return call
+
+    _set_instance_attr(model, "get_compiled_call", get_compiled_call, undo)
+
+    original_masks = getattr(model, "create_masks_for_generate", None)
+
+    def create_masks_for_generate(*args: Any, **kwargs: Any) -> Any:
+        mask = kwargs.get("attention_mask")
+        cache = _find_cache(kwargs)
+        if cache is not None and (mask is None or mask.dim() == 2):
+            embeds = kwargs.get("inputs_embeds", kwargs.get("input_embeds"))
+            return None if mask is None else mask[:, -embeds.shape[1] :]
+        if original_masks is not None:
+            return original_masks(*args, **kwargs)
+        from transformers.masking_utils import create_masks_for_generate as default_masks
+
+        return default_masks(*args, **kwargs)
+
+    _set_instance_attr(model, "create_masks_for_generate", create_masks_for_generate, undo)
+
+
+def _compile_config_class() -> type:
+    from transformers.generation.configuration_utils import CompileConfig
+
+    return CompileConfig
 
 
 def is_patched(model: torch.nn.Module) -> bool:
