@@ -1,0 +1,286 @@
+"""GPU check of the attention backends, written for one short run on a CUDA machine.
+
+    python benchmarks/gpu_check.py OUT_DIR               # CUDA: bf16, Qwen3-4B/14B attention shapes
+    python benchmarks/gpu_check.py OUT_DIR --allow-cpu   # no CUDA: fp32, tiny shapes, reference kernels
+
+Part 1 (here): every available backend of `vasepatch.integration.backends`
+against `sdpa` in the same dtype (and against an fp32 SDPA for scale), for
+decode over a static cache with ragged per-(row, KV head) starts and for
+prefill of a ragged left-padded prompt batch; plus the median time of each
+backend's decode (and prefill) call, with CUDA events. Part 2 (throughput of
+`vasepatch bench`) plugs into `part2` below. Writes `OUT_DIR/gpu_check.json`
+and `OUT_DIR/gpu_check.md`; exits 1 if a backend is off by more than the
+tolerance, 2 without CUDA (and without `--allow-cpu`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from vasepatch.integration import backends as bk
+from vasepatch.integration import reference_kernels as ref
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Attention geometry of one model: query heads, KV heads, head dim."""
+
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class Setup:
+    device: torch.device
+    dtype: torch.dtype
+    shapes: list[Shape]
+    batch: int
+    capacity: int  # cache slots per row and KV head
+    used: int  # slots in use (`end`)
+    prompt: int  # padded prompt length
+    iters: int
+    tol: float
+    reference_kernels: bool  # CPU: run the varlen paths through `reference_kernels`
+    variants: dict[str, dict[str, Callable[..., torch.Tensor]]] = field(default_factory=dict)
+
+
+GPU_SHAPES = [Shape("qwen3-4b", 32, 8, 128), Shape("qwen3-14b", 40, 8, 128)]
+CPU_SHAPES = [Shape("tiny-gqa", 8, 2, 16), Shape("tiny-mha", 4, 4, 32)]
+
+
+def make_setup(device: torch.device, iters: int | None) -> Setup:
+    if device.type == "cuda":
+        return Setup(device, torch.bfloat16, GPU_SHAPES, 16, 4160, 4096, 1024, iters or 100, 2e-2, False)
+    return Setup(device, torch.float32, CPU_SHAPES, 3, 40, 33, 12, iters or 3, 1e-4, True)
+
+
+def variants(setup: Setup) -> tuple[dict[str, dict[str, Callable[..., torch.Tensor]]], dict[str, str]]:
+    """`{label: {"backend", "decode", "prefill"}}` for every backend that can run, and why the others cannot."""
+    names = list(bk.BACKENDS) if setup.reference_kernels else bk.available_backends(setup.device, setup.dtype)
+    skipped = {n: bk.unavailable_reason(n, setup.device, setup.dtype) or "" for n in bk.BACKENDS if n not in names}
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        decode, prefill = bk.DECODE[name], bk.PREFILL[name]
+        if setup.reference_kernels and name == "torch_varlen":
+            decode = functools.partial(decode, kernel=ref.varlen_attn)
+            prefill = functools.partial(prefill, kernel=ref.varlen_attn)
+        elif setup.reference_kernels and name == "flash_attn":
+            decode = functools.partial(decode, kernel=ref.flash_attn_with_kvcache)
+            prefill = functools.partial(prefill, kernel=ref.flash_attn_varlen_func)
+        out[name] = {"backend": name, "decode": decode, "prefill": prefill}
+        if name == "torch_varlen":  # both decode layouts: seqused_k (if this torch has it) and gap sequences
+            kernel = ref.varlen_attn if setup.reference_kernels else bk._torch_varlen_kernel()
+            if bk.varlen_spec(kernel).seqused_k:
+                out[name]["decode"] = functools.partial(decode, use_seqused=True)
+                out["torch_varlen[gaps]"] = {
+                    "backend": name,
+                    "decode": functools.partial(decode, use_seqused=False),
+                    "prefill": None,
+                }
+    return out, skipped
+
+
+def decode_inputs(shape: Shape, setup: Setup, gen: torch.Generator):
+    b, dev, dt = setup.batch, setup.device, setup.dtype
+    query = torch.randn(b, shape.heads, 1, shape.head_dim, generator=gen, device=dev, dtype=dt)
+    keys, values = (
+        torch.randn(b, shape.kv_heads, setup.capacity, shape.head_dim, generator=gen, device=dev, dtype=dt)
+        for _ in range(2)
+    )
+    start = torch.randint(0, setup.used // 2, (b, shape.kv_heads), generator=gen, device=dev)  # ragged
+    start[0, 0] = 0
+    start[-1, -1] = setup.used - 1  # a single valid slot
+    return query, keys, values, start, setup.used
+
+
+def prefill_inputs(shape: Shape, setup: Setup, gen: torch.Generator):
+    b, q, dev, dt = setup.batch, setup.prompt, setup.device, setup.dtype
+    lengths = torch.randint(1, q + 1, (b,), generator=gen, device=dev)
+    lengths[0] = q
+    padding = torch.arange(q, device=dev)[None, :] >= (q - lengths)[:, None]  # left padding
+    query = torch.randn(b, shape.heads, q, shape.head_dim, generator=gen, device=dev, dtype=dt)
+    key, value = (torch.randn(b, shape.kv_heads, q, shape.head_dim, generator=gen, device=dev, dtype=dt) for _ in "kv")
+    return query, key, value, padding
+
+
+def median_ms(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
+    """Median wall time of `fn()` in ms: CUDA events around each call on GPU, perf_counter on CPU."""
+    for _ in range(3 if device.type == "cuda" else 1):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def part1(setup: Setup) -> list[dict[str, Any]]:
+    """Correctness against sdpa and timing of every backend, per shape and phase."""
+    rows: list[dict[str, Any]] = []
+    for shape in setup.shapes:
+        gen = torch.Generator(device=setup.device).manual_seed(0)
+        inputs = {"decode": decode_inputs(shape, setup, gen), "prefill": prefill_inputs(shape, setup, gen)}
+        for phase, args in inputs.items():
+            reference = bk.DECODE["sdpa"] if phase == "decode" else bk.PREFILL["sdpa"]
+            expected = reference(*args)
+            fp32 = reference(*(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args))
+            real = args[-1] if phase == "prefill" else None
+            for label, v in setup.variants.items():
+                fn = v[phase]
+                if fn is None:
+                    continue
+                row = {"shape": shape.name, "phase": phase, "backend": v["backend"], "variant": label}
+                try:
+                    with torch.no_grad():
+                        out = fn(*args)
+                        row["max_abs_diff"] = _diff(out, expected)
+                        row["max_abs_diff_fp32"] = _diff(out, fp32)
+                        row["padding_zero"] = bool(real is None or not out[~real].any())
+                        row["ms"] = median_ms(functools.partial(fn, *args), setup.device, setup.iters)
+                    row["ok"] = row["max_abs_diff"] <= setup.tol and row["padding_zero"]
+                except Exception as err:  # report and go on: one broken backend must not hide the others
+                    row.update(ok=False, error=f"{type(err).__name__}: {err}")
+                rows.append(row)
+                print(_line(row), flush=True)
+    return rows
+
+
+def part2(setup: Setup, out_dir: Path) -> dict[str, Any] | None:
+    """Part 2, the `vasepatch bench` throughput run: to be filled in by the lead. None = not run."""
+    return None
+
+
+def environment(setup: Setup) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "dtype": str(setup.dtype).removeprefix("torch."),
+        "reference_kernels": setup.reference_kernels,
+    }
+    if setup.device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(setup.device)
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(setup.device)))
+    try:
+        import flash_attn
+
+        env["flash_attn"] = getattr(flash_attn, "__version__", "?")
+    except Exception as err:
+        env["flash_attn"] = f"unavailable ({type(err).__name__})"
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        env["varlen_attn_keywords"] = bk.varlen_spec(varlen_attn)._asdict()
+    except ImportError:
+        env["varlen_attn_keywords"] = None
+    return env
+
+
+def _line(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"{row['shape']:<10} {row['phase']:<8} {row['variant']:<20} ERROR {row['error']}"
+    return (
+        f"{row['shape']:<10} {row['phase']:<8} {row['variant']:<20} diff {row['max_abs_diff']:.2e} "
+        f"(fp32 {row['max_abs_diff_fp32']:.2e}) {row['ms']:8.3f} ms {'ok' if row['ok'] else 'FAIL'}"
+    )
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["env"]
+    lines = [
+        "# Attention backends: GPU check",
+        "",
+        f"Device `{env.get('gpu', report['device'])}`, torch {env['torch']}, CUDA {env['cuda']}, "
+        f"{env['dtype']}, flash_attn {env['flash_attn']}"
+        + (", varlen paths through the CPU reference kernels" if env["reference_kernels"] else "")
+        + ".",
+        f"Batch {report['setup']['batch']}, capacity {report['setup']['capacity']}, "
+        f"{report['setup']['used']} slots in use with ragged starts; prompts of {report['setup']['prompt']} "
+        f"tokens, left-padded to ragged lengths. Differences are max |out - sdpa| in {env['dtype']} "
+        f"(tolerance {report['setup']['tol']}) and against an fp32 SDPA; times are medians of "
+        f"{report['setup']['iters']} calls.",
+        "",
+        "| shape | phase | backend | variant | max abs diff | vs fp32 | median ms | ok |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["checks"]:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['phase']} | {r['backend']} | {r['variant']} | error: {r['error']} |")
+            continue
+        lines.append(
+            f"| {r['shape']} | {r['phase']} | {r['backend']} | {r['variant']} | {r['max_abs_diff']:.2e} "
+            f"| {r['max_abs_diff_fp32']:.2e} | {r['ms']:.3f} | {'yes' if r['ok'] else '**no**'} |"
+        )
+    if report["unavailable"]:
+        lines += ["", "Not run: " + "; ".join(f"`{k}`: {v}" for k, v in report["unavailable"].items()) + "."]
+    if report["part2"] is not None:
+        lines += ["", "## Throughput (part 2)", "", "```json", json.dumps(report["part2"], indent=2), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(out_dir: Path | str, *, allow_cpu: bool = False, iters: int | None = None) -> int:
+    out_dir = Path(out_dir)
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+    elif allow_cpu:
+        device = torch.device("cpu")
+    else:
+        print("gpu_check: no CUDA device; pass --allow-cpu to run the same checks on CPU (fp32, tiny shapes)")
+        return 2
+    setup = make_setup(device, iters)
+    setup.variants, skipped = variants(setup)
+    rows = part1(setup)
+    report = {
+        "device": device.type,
+        "env": environment(setup),
+        "setup": {k: getattr(setup, k) for k in ("batch", "capacity", "used", "prompt", "iters", "tol")},
+        "shapes": [asdict(s) for s in setup.shapes],
+        "backends": sorted({v["backend"] for v in setup.variants.values()}, key=bk.BACKENDS.index),
+        "unavailable": skipped,
+        "checks": rows,
+        "part2": part2(setup, out_dir),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "gpu_check.md").write_text(markdown(report))
+    failed = [r for r in rows if not r["ok"]]
+    print(f"gpu_check: {len(rows) - len(failed)}/{len(rows)} checks ok; wrote {out_dir}/gpu_check.{{json,md}}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--allow-cpu", action="store_true", help="without CUDA, run fp32 tiny shapes on CPU")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per backend (default 100 GPU, 3 CPU)")
+    args = parser.parse_args()
+    sys.exit(main(args.out_dir, allow_cpu=args.allow_cpu, iters=args.iters))
