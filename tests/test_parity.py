@@ -60,7 +60,7 @@ def test_kernel_follows_the_model_attention_implementation(make_model, attn):
     with torch.no_grad():
         ref = _generate(model, ids, mask, 16)
         with vasepatch.patched(model, budget=128, window=8):
-            assert model.model.layers[0].self_attn.config._vasepatch_kernel == attn
+            assert model.model.layers[0].self_attn.config._vasepatch_backend == attn
             out = _generate(model, ids, mask, 16)
     diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits, strict=True))
     assert diff <= TOL

@@ -45,6 +45,8 @@ BAD_SETTINGS = [
     (dict(budget=128, smooth=0), "smooth"),
     (dict(budget=128, policy="nope"), "policy"),
     (dict(budget=128, seed="x"), "seed"),
+    (dict(budget=128, attn_backend="flash"), "attn_backend"),
+    (dict(budget=128, attn_backend="flash_attn"), "attn_backend"),  # not available on this machine
 ]
 
 

@@ -116,6 +116,7 @@ class VaSELayer(CacheLayerMixin):
         self._pending_padding: torch.Tensor | None = None
         self._step_len = 0  # tokens appended by the most recent step
         self._pending_len = 0  # tokens appended by a compiled step whose host bookkeeping is due
+        self.prefilling = False  # whether the most recent step was the first since allocation/reset
         self._evicts = evicts(policy)
 
     # --- allocation -------------------------------------------------------------------------
@@ -174,6 +175,7 @@ class VaSELayer(CacheLayerMixin):
         compiling = torch.compiler.is_compiling()
         if not compiling:
             self._check_room(q_len)
+            self.prefilling = self.counters.tokens_seen == 0
         padding, self._pending_padding = self._pending_padding, None
         if padding is None:
             new_valid = torch.ones((self.batch_size, q_len), dtype=torch.bool, device=self.device)
@@ -223,6 +225,11 @@ class VaSELayer(CacheLayerMixin):
     def _step_slots(self, q_len: int) -> torch.Tensor:
         """Slots written by the current step (the last `q_len` before the fill pointer)."""
         return self.fill - q_len + self.slot_index[:q_len]
+
+    def attend_start(self) -> torch.Tensor:
+        """`[B, Hkv]`: first attendable slot of each row and KV head (the attendable slots
+        are `[start, fill)`: padding, if any, sits before them)."""
+        return self.fill - self.valid.sum(-1)
 
     def attended_slots(self) -> int:
         """How many leading slots the kernel should read: the occupied ones when running

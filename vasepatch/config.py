@@ -29,6 +29,10 @@ class VaSEConfig:
         seed: seeds the sampling generator of each generation; `None` uses torch's
             global generator.
         policy_options: extra keyword options for the policy factory (e.g. `score="l2"`).
+        attn_backend: attention kernels: `"flash_attn"`, `"torch_varlen"` (FlashAttention-2
+            varlen kernels, CUDA, fp16/bf16), `"sdpa"`, `"eager"`, or `None`/`"auto"`: the
+            first of these the model's device and dtype allow (`"eager"` for a model loaded
+            with `attn_implementation="eager"`). Checked against the model at `patch` time.
     """
 
     budget: int
@@ -40,6 +44,7 @@ class VaSEConfig:
     smooth: int = 5
     seed: int | None = None
     policy_options: Mapping[str, Any] = field(default_factory=dict)
+    attn_backend: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,6 +96,12 @@ class VaSEConfig:
         if self.policy not in policies.available():
             raise ValueError(
                 f"policy {self.policy!r} is not registered; registered policies: {', '.join(policies.available())}"
+            )
+        from vasepatch.integration.backends import BACKENDS
+
+        if self.attn_backend is not None and self.attn_backend not in ("auto", *BACKENDS):
+            raise ValueError(
+                f"attn_backend must be None, 'auto' or one of {', '.join(BACKENDS)}; got {self.attn_backend!r}"
             )
         if not isinstance(self.policy_options, Mapping):
             raise ValueError(f"policy_options must be a mapping, got {type(self.policy_options).__name__}")

@@ -16,10 +16,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from vasepatch.integration import backends
 from vasepatch.integration.kernels import causal_padding_mask, grouped_attention
 
 ATTN_IMPLEMENTATION = "vasepatch"
 LAYER_KWARG = "vasepatch_layer"
+BACKEND_ATTR = "_vasepatch_backend"  # on the private config copy: the backend chosen at patch time
 
 
 def padding_mask_passthrough(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
@@ -40,15 +42,29 @@ def vasepatch_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over the static buffer of a `VaSELayer`, then its eviction step."""
+    """Attention over the static buffer of a `VaSELayer`, then its eviction step.
+
+    With a varlen backend (`flash_attn`, `torch_varlen`), decode steps attend to each
+    row's contiguous range of slots and the eager prefill runs on the unpadded
+    prompt; other steps (and every step of the `sdpa`/`eager` backends) use the
+    masked grouped kernel.
+    """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    kernel = getattr(module.config, "_vasepatch_kernel", "sdpa")
+    backend = getattr(module.config, BACKEND_ATTR, "sdpa")
+    kernel = "eager" if backend == "eager" else "sdpa"
     layer = kwargs.get(LAYER_KWARG)
     if layer is not None:
-        n = layer.attended_slots()
-        mask = layer.step_mask(n, query.shape[-2])
-        out = grouped_attention(query, key[:, :, :n], value[:, :, :n], mask, scaling, kernel)
+        q_len = query.shape[-2]
+        if backend in backends.VARLEN_BACKENDS and q_len == 1:
+            out = backends.decode_attention(backend, query, key, value, layer.attend_start(), layer.fill, scaling)
+        elif backend in backends.VARLEN_BACKENDS and not torch.compiler.is_compiling() and layer.prefilling:
+            padding = layer.valid[:, 0, :q_len]  # the prompt sits in slots [0, q_len)
+            out = backends.prefill_attention(backend, query, key[:, :, :q_len], value[:, :, :q_len], padding, scaling)
+        else:
+            n = layer.attended_slots()
+            mask = layer.step_mask(n, q_len)
+            out = grouped_attention(query, key[:, :, :n], value[:, :, :n], mask, scaling, kernel)
         layer.observe_queries(query)
         layer.end_step()
         return out, None

@@ -33,7 +33,7 @@ from vasepatch import policies
 from vasepatch.cache import CacheMonitor, VaSECache
 from vasepatch.config import VaSEConfig
 from vasepatch.errors import AlreadyPatchedError, NotPatchedError
-from vasepatch.integration import attention
+from vasepatch.integration import attention, backends
 from vasepatch.integration.compat import check_transformers
 from vasepatch.integration.families import ModelLayout, inspect_model
 
@@ -44,11 +44,20 @@ _MISSING = object()
 class PatchHandle:
     """What `patch` returns: statistics, a cache factory, and `remove()`."""
 
-    def __init__(self, model: torch.nn.Module, config: VaSEConfig, policy: policies.Policy, layout: ModelLayout):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: VaSEConfig,
+        policy: policies.Policy,
+        layout: ModelLayout,
+        attn_backend: str = "sdpa",
+    ):
         self.model = model
         self.config = config
         self.policy = policy
         self.layout = layout
+        self.attn_backend = attn_backend
+        """The attention backend chosen at patch time (see `VaSEConfig.attn_backend`)."""
         self.monitor = CacheMonitor()
         self.cache_keyword = _cache_keyword(model)
         """The keyword under which the model takes a cache: `"cache"` (recent transformers)
@@ -98,7 +107,10 @@ class PatchHandle:
 
     def __repr__(self) -> str:
         c = self.config
-        return f"PatchHandle(policy={c.policy!r}, budget={c.budget}, window={c.window}, active={self.active})"
+        return (
+            f"PatchHandle(policy={c.policy!r}, budget={c.budget}, window={c.window}, "
+            f"attn_backend={self.attn_backend!r}, active={self.active})"
+        )
 
 
 class _PatchState:
@@ -170,6 +182,7 @@ def patch(
     temperature: float = 1.0,
     smooth: int = 5,
     seed: int | None = None,
+    attn_backend: str | None = None,
     config: VaSEConfig | None = None,
 ) -> PatchHandle:
     """Give `model` a fixed-size KV cache with VaSE eviction; returns a `PatchHandle`.
@@ -193,11 +206,13 @@ def patch(
         temperature=temperature,
         smooth=smooth,
         seed=seed,
+        attn_backend=attn_backend,
     )
     chosen = policies.for_config(cfg)
+    backend = _choose_backend(model, cfg)
     attention.register()
 
-    handle = PatchHandle(model, cfg, chosen, layout)
+    handle = PatchHandle(model, cfg, chosen, layout, backend)
     state = _PatchState(handle)
     try:
         _apply(model, layout, handle, state.undo)
@@ -209,12 +224,21 @@ def patch(
     return handle
 
 
+def _choose_backend(model: torch.nn.Module, config: VaSEConfig) -> str:
+    """The attention backend for `model` (ValueError naming `attn_backend` if unavailable)."""
+    if config.attn_backend in (None, "auto") and model.config._attn_implementation == "eager":
+        return "eager"  # the user asked the model for eager attention: keep it
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = param.dtype if param is not None else None
+    return backends.resolve_backend(config.attn_backend, device, dtype)
+
+
 def _apply(model: torch.nn.Module, layout: ModelLayout, handle: PatchHandle, undo: list[Callable[[], None]]) -> None:
     original_config = layout.base_model.config
     private = copy.copy(original_config)
-    kernel = "eager" if original_config._attn_implementation == "eager" else "sdpa"
     private.__dict__["_attn_implementation_internal"] = attention.ATTN_IMPLEMENTATION
-    private.__dict__["_vasepatch_kernel"] = kernel
+    private.__dict__[attention.BACKEND_ATTR] = handle.attn_backend
     for module in layout.base_model.modules():
         if module.__dict__.get("config") is original_config:
             _set_instance_attr(module, "config", private, undo)
