@@ -7,6 +7,8 @@ Graphs and graph breaks are counted with dynamo's own counters.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch._dynamo
@@ -115,6 +117,7 @@ def test_compiled_step_defers_bookkeeping_to_the_forward_hook(make_model):
         eager_cache, compiled_cache = handle.new_cache(), handle.new_cache()
         compiled_forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
         token = ids[:, -1:]
+        takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, **{kw: eager_cache})
             model(input_ids=ids, attention_mask=mask, **{kw: compiled_cache})
@@ -123,6 +126,8 @@ def test_compiled_step_defers_bookkeeping_to_the_forward_hook(make_model):
                 full = torch.cat([mask, torch.ones(3, step + 1, dtype=mask.dtype)], dim=1)
                 position_ids = full.long().cumsum(-1)[:, -1:] - 1
                 args = dict(input_ids=token, attention_mask=full, position_ids=position_ids)
+                if takes_cache_position:  # older 5.x releases derive it from the cache length otherwise
+                    args["cache_position"] = torch.tensor([pos])
                 a = model(**args, **{kw: eager_cache}).logits
                 model.forward = compiled_forward  # through __call__, so the hook runs
                 try:

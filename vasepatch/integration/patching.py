@@ -315,7 +315,8 @@ def _install_compile_support(model: torch.nn.Module, undo: list[Callable[[], Non
         cache = _find_cache(kwargs)
         if cache is not None and (mask is None or mask.dim() == 2):
             embeds = kwargs.get("inputs_embeds", kwargs.get("input_embeds"))
-            return None if mask is None else mask[:, -embeds.shape[1] :]
+            # a fresh tensor: a view would carry the growing row stride into the graph's guards
+            return None if mask is None else mask[:, -embeds.shape[1] :].clone(memory_format=torch.contiguous_format)
         if original_masks is not None:
             return original_masks(*args, **kwargs)
         from transformers.masking_utils import create_masks_for_generate as default_masks
