@@ -7,6 +7,7 @@ import os
 import sys
 
 from vasepatch import demo
+from vasepatch.bench import cli as bench
 from vasepatch.eval import fidelity, task
 
 
@@ -25,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     tsk = eval_sub.add_parser("task", help="accuracy on GSM8K / MATH-500 / AIME25")
     task.add_arguments(tsk)
     tsk.set_defaults(run=task.main)
+
+    bench_parser = sub.add_parser("bench", help="decode throughput and memory: dense, static, vasepatch caches")
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(run=bench.main)
     return parser
 
 

@@ -1,0 +1,183 @@
+"""`vasepatch bench`: end to end on a tiny random model, fast-forward exactness, memory
+accounting and option errors. Timings are never asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vasepatch.bench import MethodSpec, Settings, run_benchmark
+from vasepatch.bench.measure import eviction_share, sequence_inputs
+from vasepatch.bench.methods import build_method, kvpress_module, share_weights
+from vasepatch.bench.shapes import load_model
+from vasepatch.cli import main
+
+TINY = "shape:tiny-qwen3"
+
+
+def tiny_settings(**changes) -> Settings:
+    base = dict(
+        model=TINY,
+        tokens=[16, 32],
+        budget=16,
+        window=4,
+        batch=[1, 2],
+        methods=["dense", "vase"],
+        prompt_len=8,
+        repeats=1,
+        threads=1,
+        isolate="none",
+        progress=False,
+    )
+    return Settings(**{**base, **changes})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(TINY, torch.float32, "cpu")
+
+
+def test_cli_end_to_end_writes_json_markdown_and_plots(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["bench", "--model", TINY, "--tokens", "16,32", "--budget", "16", "--window", "4", "--batch", "1,2"]
+    argv += ["--repeats", "1", "--prompt-len", "8", "--threads", "1", "--methods", "dense,vase,kvpress"]
+    argv += ["--no-progress", "--out", str(out)]  # default isolation on CPU: one worker process per method
+    assert main(argv) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert result["settings"]["isolate"] == "process"
+    assert {"torch", "transformers", "device", "threads"} <= set(result["environment"])
+    rows = {(r["method"], r["batch"], r["length"]) for r in result["results"]}
+    assert rows >= {(m, b, n) for m in ("dense", "vase") for b in (1, 2) for n in (16, 32)}
+    for seg in result["segments"]:
+        assert len(seg["step_times_ms"]) == 4 and seg["peak_bytes"] > 0
+    vase = [r for r in result["results"] if r["method"] == "vase"]
+    assert all(r["evicting_steps"] == 1 and r["eviction_share"] is not None for r in vase)
+    md = (out / "bench.md").read_text()
+    assert "Batch 1:" in md and "Batch 2:" in md and "| vase | 32 |" in md
+    assert (out / "throughput.png").stat().st_size > 0 and (out / "memory.png").stat().st_size > 0
+    try:
+        kvpress_module()
+    except RuntimeError:
+        assert [e["method"] for e in result["errors"]] == ["kvpress"]
+        assert "kvpress is not importable" in result["errors"][0]["error"]
+        assert "kvpress" in md
+
+
+@pytest.mark.parametrize("policy", ["vase", "snapkv", "streaming"])
+def test_fast_forward_leaves_the_cache_as_one_token_decoding_would(tiny, policy):
+    settings = tiny_settings(methods=[policy], tokens=[20, 40, 61])
+    spec = MethodSpec.parse(policy)
+    chunked = build_method(spec, share_weights(tiny), settings)
+    single = build_method(spec, share_weights(tiny), settings)
+    single.chunk_limit = lambda: 1  # one token per forward: plain decoding of the same tokens
+    prompt, stream = sequence_inputs(settings, 2, tiny.config.vocab_size)
+    for m in (chunked, single):
+        m.start(prompt, settings.max_generated)
+    for target in settings.tokens:
+        chunked.advance_to(target, stream)
+        single.advance_to(target, stream)
+        a, b = chunked.cache.stats(), single.cache.stats()
+        assert a["evictions"] == b["evictions"] > 0
+        for key in ("occupancy", "tokens_seen", "evicted_tokens"):
+            assert a[key] == b[key], key
+        occupied = a["occupancy"]
+        for la, lb in zip(chunked.cache.layers, single.cache.layers, strict=True):
+            assert torch.equal(la.valid[..., :occupied], lb.valid[..., :occupied])
+    for m in (chunked, single):
+        m.close()
+
+
+def test_kvpress_fast_forward_compresses_where_one_token_decoding_would(tiny):
+    try:
+        kvpress_module()
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    settings = tiny_settings(methods=["kvpress"], tokens=[21, 43])
+    spec = MethodSpec.parse("kvpress")
+    chunked = build_method(spec, share_weights(tiny), settings)
+    single = build_method(spec, share_weights(tiny), settings)
+    single.chunk_limit = lambda: 1
+    prompt, stream = sequence_inputs(settings, 2, tiny.config.vocab_size)
+    for m in (chunked, single):
+        m.start(prompt, settings.max_generated)
+    for target in settings.tokens:
+        chunked.advance_to(target, stream)
+        single.advance_to(target, stream)
+        assert chunked.evictions() == single.evictions() > 0
+        assert chunked.cache.layers[0].keys.shape == single.cache.layers[0].keys.shape
+        assert chunked.press.layer_step_counts[0] == single.press.layer_step_counts[0]
+    for m in (chunked, single):
+        m.close()
+
+
+def test_dense_and_static_fast_forward_reach_the_length(tiny):
+    settings = tiny_settings(methods=["dense", "static"])
+    prompt, stream = sequence_inputs(settings, 2, tiny.config.vocab_size)
+    for name in settings.methods:
+        m = build_method(MethodSpec.parse(name), share_weights(tiny), settings)
+        m.start(prompt, settings.max_generated)
+        m.advance_to(23, stream)
+        assert m.generated == 23 and m.next_token.shape == (2, 1)
+        m.step()
+        assert m.generated == 24
+        if name == "dense":
+            assert m.cache.get_seq_length() == settings.prompt_len + 24
+
+
+def test_kv_bytes_constant_for_vasepatch_and_growing_for_dense(tiny):
+    settings = tiny_settings(methods=["dense", "static", "vase", "full"], tokens=[16, 32, 64], batch=[2])
+    result = run_benchmark(settings, model=tiny)
+    kv = {}
+    for r in result["results"]:
+        kv.setdefault(r["method"], []).append(r["kv_mib"])
+    assert kv["dense"] == sorted(kv["dense"]) and kv["dense"][0] < kv["dense"][-1]
+    assert len(set(kv["vase"])) == 1 and len(set(kv["static"])) == 1
+    assert kv["vase"][0] < kv["dense"][-1]
+    # `full` never evicts, so its fixed buffer overflows: an error for that method, the others go on
+    assert [(e["method"], e["batch"]) for e in result["errors"]] == [("full", 2)]
+    assert "never evicts" in result["errors"][0]["error"]
+    assert {r["method"] for r in result["results"]} == {"dense", "static", "vase"}
+    assert all(r["ratio_to_dense"] is not None for r in result["results"])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--methods", "dense,nope"], "methods: unknown method 'nope'"),
+        (["--budget", "64", "--window", "64"], "window must be smaller than budget"),
+        (["--tokens", "0,64"], "tokens must be positive"),
+        (["--tokens", "64,abc"], "tokens must be comma-separated ints"),
+        (["--batch", "0"], "batch must be positive"),
+        (["--tokens", "100,120", "--window", "16", "--budget", "64"], "tokens: consecutive lengths"),
+        (["--model", "shape:nope"], "model: unknown shape"),
+    ],
+)
+def test_bad_options_fail_before_any_work(tmp_path, monkeypatch, options, message):
+    import vasepatch.bench.runner as runner
+
+    monkeypatch.setattr(runner, "run_benchmark", lambda *a, **k: pytest.fail("the benchmark started"))
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", *options, "--out", str(out)])
+    assert not out.exists()
+
+
+def test_quick_preset_and_explicit_options():
+    from vasepatch.bench.cli import settings_from_args
+    from vasepatch.cli import build_parser
+
+    quick = settings_from_args(build_parser().parse_args(["bench", "--quick"]))
+    assert (quick.tokens, quick.budget, quick.window, quick.batch, quick.repeats) == ([256, 512], 128, 32, [1], 1)
+    assert quick.steps == 32
+    mixed = settings_from_args(build_parser().parse_args(["bench", "--quick", "--budget", "96", "--steps", "8"]))
+    assert (mixed.budget, mixed.steps, mixed.window) == (96, 8, 32)
+
+
+def test_method_names_and_eviction_share():
+    spec = MethodSpec.parse("vase+compile")
+    assert (spec.base, spec.compile, spec.is_policy) == ("vase", True, True)
+    assert not MethodSpec.parse("static").is_policy
+    assert eviction_share([1.0, 1.0, 3.0, 1.0], [False, False, True, False]) == pytest.approx(2 / 6)
+    assert eviction_share([1.0, 1.0], [False, False]) == 0.0

@@ -1,0 +1,138 @@
+"""Write a benchmark result as `bench.json`, `bench.md`, `throughput.png` and `memory.png`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from vasepatch.eval.report import markdown_table
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "—" if value is None else f"{value:.{digits}g}"
+
+
+def _mib(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 1 else f"{value:.3f}"
+
+
+def _share(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def batch_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of one batch size's rows."""
+    compiled = any(r["compile_speedup"] is not None for r in rows)
+    columns = ["method", "generated", "tok/s median [min-max]", "vs dense", "KV MiB", "peak MiB", "eviction share"]
+    if compiled:
+        columns.append("compiled / eager")
+    cells = []
+    for r in rows:
+        cell = {
+            "method": r["method"],
+            "generated": str(r["length"]),
+            "tok/s median [min-max]": f"{r['tok_s']:.1f} [{r['tok_s_min']:.1f}-{r['tok_s_max']:.1f}]",
+            "vs dense": _num(r["ratio_to_dense"]),
+            "KV MiB": _mib(r["kv_mib"]),
+            "peak MiB": _mib(r["peak_mib"]),
+            "eviction share": _share(r["eviction_share"]),
+        }
+        if compiled:
+            cell["compiled / eager"] = _num(r["compile_speedup"])
+        cells.append(cell)
+    return markdown_table(cells, columns)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The whole report: settings, environment, one table per batch size, warm-ups, errors."""
+    s, env = result["settings"], result["environment"]
+    lines = [
+        f"**Decode throughput and memory** (model {s['model']}, prompt {s['prompt_len']} tokens, "
+        f"budget={s['budget']}, window={s['window']}, {s['steps']} timed steps per segment, "
+        f"{s['repeats']} repeats, {s['dtype']}, {s['device']} — {env['device_name']}, {env['threads']} threads; "
+        f"torch {env['torch']}, transformers {env['transformers']}; isolation: {env['isolation']}; "
+        f"{result['wall_s']:.0f} s)",
+        "",
+    ]
+    rows = result["results"]
+    for batch in s["batch"]:
+        batch_rows = [r for r in rows if r["batch"] == batch]
+        if batch_rows:
+            lines += [f"Batch {batch}:", "", batch_table(batch_rows)]
+    if result["warmups"]:
+        warm = [
+            {
+                "method": w["method"],
+                "batch": str(w["batch"]),
+                "prefill s": f"{w['prefill_s']:.2f}",
+                "warm-up s": f"{w['warmup_s']:.2f}",
+                "graphs compiled": str(w["graphs"]),
+            }
+            for w in result["warmups"]
+        ]
+        lines += [
+            f"Warm-up ({s['steps']} decode steps after the prefill; compilation happens here):",
+            "",
+            markdown_table(warm, ["method", "batch", "prefill s", "warm-up s", "graphs compiled"]),
+        ]
+    recompiled = sorted({seg["method"] for seg in result["segments"] if seg["graphs"]})
+    if recompiled:
+        lines += [f"Recompiled during timed segments: {', '.join(recompiled)}.", ""]
+    for err in result["errors"]:
+        where = "" if err["batch"] is None else f" (batch {err['batch']}, {err['stage']})"
+        lines.append(f"- **{err['method']}** failed{where}: {err['error']}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _plot(result: dict[str, Any], path: Path, panels: list[tuple[str, str, bool]]) -> None:
+    """One row per `(key, label, y from zero)` of `panels`, one column per batch size, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = result["settings"]["batch"]
+    lengths = result["settings"]["tokens"]
+    methods = list(dict.fromkeys(r["method"] for r in result["results"]))
+    fig, axes = plt.subplots(len(panels), len(batches), figsize=(5.5 * len(batches), 3.8 * len(panels)), squeeze=False)
+    for col, batch in enumerate(batches):
+        for row, (key, label, from_zero) in enumerate(panels):
+            ax = axes[row][col]
+            for method in methods:
+                pts = [
+                    (r["length"], r[key])
+                    for r in result["results"]
+                    if r["batch"] == batch and r["method"] == method and r[key] is not None
+                ]
+                if pts:
+                    xs, ys = zip(*pts, strict=True)
+                    ax.plot(xs, ys, marker="o", label=method)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths, [str(n) for n in lengths])
+            ax.set(xlabel="generated tokens", ylabel=label, title=f"batch {batch}")
+            if from_zero:
+                ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(result: dict[str, Any], out: Path) -> list[Path]:
+    """`bench.json`, `bench.md`, `throughput.png` (decode tok/s vs generated length) and
+    `memory.png` (KV and peak MiB vs generated length) under `out`; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "bench.json", out / "bench.md"]
+    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    paths[1].write_text(markdown(result))
+    if result["results"] and importlib.util.find_spec("matplotlib") is not None:  # the `eval` extra brings it
+        paths.append(out / "throughput.png")
+        _plot(result, paths[-1], [("tok_s", "decode tok/s (median)", True)])
+        paths.append(out / "memory.png")
+        _plot(result, paths[-1], [("kv_mib", "KV cache MiB", True), ("peak_mib", "peak MiB (timed steps)", False)])
+    return paths
