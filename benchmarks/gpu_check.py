@@ -174,9 +174,132 @@ def part1(setup: Setup) -> list[dict[str, Any]]:
     return rows
 
 
-def part2(setup: Setup, out_dir: Path) -> dict[str, Any] | None:
-    """Part 2, the `vasepatch bench` throughput run: to be filled in by the lead. None = not run."""
-    return None
+def _compile_model(setup: Setup) -> torch.nn.Module:
+    """Qwen3-4B's layer shape with 4 layers on CUDA (compiles in about a minute); tiny-qwen3 on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    from vasepatch.bench.shapes import shape_config
+
+    config = shape_config("qwen3-4b" if setup.device.type == "cuda" else "tiny-qwen3")
+    if setup.device.type == "cuda":
+        config.num_hidden_layers = 4
+    torch.manual_seed(0)
+    with torch.device(setup.device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=setup.dtype)
+    return model.eval()
+
+
+def compile_check(setup: Setup) -> dict[str, Any]:
+    """generate's own compile route (`mode="reduce-overhead"`: CUDA graphs) on a patched model
+    through >= 4 eviction rounds: graphs, graph breaks, CUDA-graph skips, tokens against
+    eager, and the decode time of both."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    import vasepatch
+
+    cuda = setup.device.type == "cuda"
+    model = _compile_model(setup)
+    budget, window, new = (256, 32, 512) if cuda else (16, 4, 40)
+    lengths = (300, 220, 150, 100) if cuda else (12, 7, 3)
+    width = max(lengths)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(1, model.config.vocab_size, (len(lengths), width), generator=gen)
+    mask = (torch.arange(width)[None] >= width - torch.tensor(lengths)[:, None]).long()
+    kw = dict(
+        input_ids=ids.to(setup.device),
+        attention_mask=mask.to(setup.device),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead") if cuda else CompileConfig(fullgraph=True)
+    if not cuda:
+        config.backend, config.mode = "aot_eager", None
+    config._compile_all_devices = True  # on CPU generate compiles only when asked to
+
+    def timed(**extra: Any) -> tuple[torch.Tensor, float]:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(**kw, **extra)
+        if cuda:
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
+
+    row: dict[str, Any] = {"budget": budget, "window": window, "new_tokens": new, "prompt_lengths": list(lengths)}
+    with vasepatch.patched(model, budget=budget, window=window, seed=0) as handle:
+        row["attn_backend"] = handle.attn_backend
+        eager, row["eager_s"] = timed()
+        row["evictions"] = handle.stats()["evictions"]
+        torch._dynamo.reset()
+        counters.clear()
+        _, row["first_compiled_s"] = timed(compile_config=config)  # compiles (and records CUDA graphs)
+        compiled, row["compiled_s"] = timed(compile_config=config)
+        row["graphs"] = int(counters["stats"]["unique_graphs"])
+        row["graph_breaks"] = sum(counters["graph_break"].values())
+        row["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
+        row["compiled_evictions"] = handle.stats()["evictions"]
+    generated = slice(width, None)
+    row["token_agreement"] = (eager[:, generated] == compiled[:, generated]).float().mean().item()
+    row["first_divergence"] = int((eager[:, generated] != compiled[:, generated]).any(0).long().argmax().item())
+    row["speedup"] = row["eager_s"] / row["compiled_s"]
+    row["ok"] = row["graphs"] == 1 and row["graph_breaks"] == 0 and row["evictions"] >= 4
+    print(f"compile check: {row}", flush=True)
+    return row
+
+
+def throughput(setup: Setup, quick: bool) -> list[dict[str, Any]]:
+    """`vasepatch bench` in Qwen3-4B and Qwen3-14B shapes (random weights), all methods in one
+    process per shape (CUDA memory per method from `max_memory_allocated`)."""
+    from vasepatch.bench.runner import run_benchmark
+    from vasepatch.bench.settings import Settings
+
+    if setup.device.type == "cuda":
+        plans = [
+            ("shape:qwen3-4b", [2048, 4096, 8192, 16384], ["dense", "vase", "vase-dkv", "snapkv", "vase+compile"]),
+            ("shape:qwen3-14b", [4096, 16384], ["dense", "vase", "vase-dkv"]),
+        ]
+        common = dict(budget=4096, window=64, batch=[16], repeats=2, device="cuda", dtype="bfloat16")
+        if quick:
+            plans = [("shape:qwen3-4b", [2048, 4096], ["dense", "vase"])]
+    else:
+        plans = [("shape:tiny-qwen3", [32, 64], ["dense", "vase"])]
+        common = dict(budget=16, window=4, batch=[2], repeats=2, prompt_len=8)
+    runs = []
+    for model, tokens, methods in plans:
+        settings = Settings(model=model, tokens=tokens, methods=methods, isolate="none", progress=False, **common)
+        try:
+            result = run_benchmark(settings)
+            runs.append(
+                {
+                    "model": model,
+                    "results": result["results"],
+                    "errors": result["errors"],
+                    "warmups": result["warmups"],
+                    "wall_s": result["wall_s"],
+                }
+            )
+        except Exception as err:  # keep what the other shapes measured
+            runs.append({"model": model, "error": f"{type(err).__name__}: {err}"})
+        done = runs[-1]
+        print(f"throughput {model}: {done['error'] if 'error' in done else str(len(done['results'])) + ' rows'}")
+    return runs
+
+
+def part2(setup: Setup, out_dir: Path, mode: str = "full") -> dict[str, Any] | None:
+    """Part 2: the compile/CUDA-graphs check and the throughput tables (`mode` full|quick|skip)."""
+    if mode == "skip":
+        return None
+    out: dict[str, Any] = {}
+    try:
+        out["compile"] = compile_check(setup)
+    except Exception as err:
+        out["compile"] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+    out["throughput"] = throughput(setup, quick=mode == "quick")
+    return out
 
 
 def environment(setup: Setup) -> dict[str, Any]:
@@ -203,6 +326,31 @@ def environment(setup: Setup) -> dict[str, Any]:
     except ImportError:
         env["varlen_attn_keywords"] = None
     return env
+
+
+def part2_markdown(part: dict[str, Any]) -> list[str]:
+    from vasepatch.bench.report import batch_table
+
+    c = part["compile"]
+    lines = ["", "## Compile check (generate's own compile route, CUDA graphs on GPU)", ""]
+    if "error" in c:
+        lines.append(f"error: {c['error']}")
+    else:
+        lines += [
+            "| backend | evictions | graphs | graph breaks | CUDA-graph skips | token agreement | eager s "
+            "| compiled s | speed-up |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            f"| {c['attn_backend']} | {c['evictions']} | {c['graphs']} | {c['graph_breaks']} | {c['cudagraph_skips']} "
+            f"| {c['token_agreement']:.3f} | {c['eager_s']:.2f} | {c['compiled_s']:.2f} | {c['speedup']:.2f} |",
+        ]
+    for run in part["throughput"]:
+        lines += ["", f"## Throughput: `{run['model']}` (random weights)", ""]
+        if "error" in run:
+            lines.append(f"error: {run['error']}")
+            continue
+        lines.append(batch_table(run["results"]))
+        lines += [f"- `{e['method']}` failed ({e['stage']}): {e['error']}" for e in run["errors"]]
+    return lines
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -243,11 +391,11 @@ def markdown(report: dict[str, Any]) -> str:
     if report["unavailable"]:
         lines += ["", "Not run: " + "; ".join(f"`{k}`: {v}" for k, v in report["unavailable"].items()) + "."]
     if report["part2"] is not None:
-        lines += ["", "## Throughput (part 2)", "", "```json", json.dumps(report["part2"], indent=2), "```"]
+        lines += part2_markdown(report["part2"])
     return "\n".join(lines) + "\n"
 
 
-def main(out_dir: Path | str, *, allow_cpu: bool = False, iters: int | None = None) -> int:
+def main(out_dir: Path | str, *, allow_cpu: bool = False, iters: int | None = None, part2_mode: str = "full") -> int:
     out_dir = Path(out_dir)
     if torch.cuda.is_available():
         device = torch.device("cuda")
@@ -267,12 +415,14 @@ def main(out_dir: Path | str, *, allow_cpu: bool = False, iters: int | None = No
         "backends": sorted({v["backend"] for v in setup.variants.values()}, key=bk.BACKENDS.index),
         "unavailable": skipped,
         "checks": rows,
-        "part2": part2(setup, out_dir),
+        "part2": part2(setup, out_dir, part2_mode),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     (out_dir / "gpu_check.md").write_text(markdown(report))
     failed = [r for r in rows if not r["ok"]]
+    if report["part2"] is not None and not report["part2"]["compile"].get("ok"):
+        failed.append(report["part2"]["compile"])
     print(f"gpu_check: {len(rows) - len(failed)}/{len(rows)} checks ok; wrote {out_dir}/gpu_check.{{json,md}}")
     return 1 if failed else 0
 
@@ -282,5 +432,8 @@ if __name__ == "__main__":
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--allow-cpu", action="store_true", help="without CUDA, run fp32 tiny shapes on CPU")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per backend (default 100 GPU, 3 CPU)")
+    parser.add_argument(
+        "--part2", choices=("full", "quick", "skip"), default="full", help="compile check and throughput tables"
+    )
     args = parser.parse_args()
-    sys.exit(main(args.out_dir, allow_cpu=args.allow_cpu, iters=args.iters))
+    sys.exit(main(args.out_dir, allow_cpu=args.allow_cpu, iters=args.iters, part2_mode=args.part2))
