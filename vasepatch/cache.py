@@ -149,7 +149,7 @@ class VaSELayer(CacheLayerMixin):
     @staticmethod
     def _mark_static(*tensors: torch.Tensor) -> None:
         """Tell dynamo these buffers keep their address (CUDA graphs may then read and
-        write them in place); a no-op outside compilation and while tracing."""
+        write them in place). Only eagerly: marking is not allowed while tracing."""
         if not torch.compiler.is_compiling():
             for t in tensors:
                 torch._dynamo.mark_static_address(t)
