@@ -72,3 +72,23 @@ def test_join_verified_checks_the_hash(tmp_path):
 
 def test_qwen_is_registered():
     assert "qwen2.5-coder-0.5b" in models.available()
+
+
+def test_two_processes_converting_at_once_keep_the_first_copy(tmp_path):
+    """Parallel bench workers on a fresh machine convert the same GGUF at once: the loser's
+    rename fails (the target exists and is not empty); it must keep the winner's copy."""
+    target = tmp_path / "model"
+    for name in ("a", "b"):
+        folder = tmp_path / f"model.tmp{name}"
+        folder.mkdir()
+        (folder / "model.safetensors").write_text(name)
+    models.publish(tmp_path / "model.tmpa", target)
+    models.publish(tmp_path / "model.tmpb", target)
+    assert (target / "model.safetensors").read_text() == "a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    broken = tmp_path / "other.tmp"
+    broken.mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "junk").write_text("")  # a target without a model: not a finished conversion
+    with pytest.raises(OSError):
+        models.publish(broken, tmp_path / "other")

@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -128,7 +129,19 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     model.generation_config.save_pretrained(tmp)
     save_model(model, str(tmp / "model.safetensors"))
     tokenizer.save_pretrained(tmp)
-    tmp.rename(target)  # atomic: a half-written cache is never used
+    publish(tmp, target)
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Move a finished conversion into place. The rename is atomic, so a half-written
+    cache is never used; if another process (say a parallel bench worker) published the
+    same conversion first, keep its copy and drop ours."""
+    try:
+        tmp.rename(target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "model.safetensors").is_file():
+            raise
 
 
 def resolve(name_or_path: str | os.PathLike[str]) -> Path:
