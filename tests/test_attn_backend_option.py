@@ -2,7 +2,7 @@
 wired into a patched model, run on CPU through the reference kernels.
 
 The real FlashAttention kernels need CUDA; here the CUDA-only availability check
-is lifted and the kernels are replaced by `reference_kernels` (same call
+is lifted and the kernels are replaced by `tests/reference_kernels.py` (same call
 signatures), so the whole decode and prefill packing of a real generation runs
 and is compared with the SDPA backend.
 """
@@ -13,21 +13,23 @@ import pytest
 import torch
 
 import vasepatch
+from tests import reference_kernels as ref
 from tests.conftest import ragged_batch
 from tests.test_patching import fingerprint
 from tests.tiny_models import VOCAB
 from vasepatch.integration import backends as bk
-from vasepatch.integration import reference_kernels as ref
+from vasepatch.integration.backends import availability, flash_attn, torch_varlen
 
 
 @pytest.fixture
 def cpu_varlen(monkeypatch):
-    """Make `flash_attn` and `torch_varlen` available on CPU, backed by the reference kernels."""
-    monkeypatch.setattr(bk, "_cuda_problem", lambda name, device, dtype: None)
-    monkeypatch.setattr(bk, "_flash_attn_problem", lambda: None)
-    monkeypatch.setattr(bk, "_torch_varlen_problem", lambda: None)
-    monkeypatch.setattr(bk, "_torch_varlen_kernel", lambda: ref.varlen_attn)
-    monkeypatch.setattr(bk, "_flash_varlen_kernel", lambda: ref.flash_attn_varlen_func)
+    """Make `flash_attn` and `torch_varlen` available on CPU, backed by the reference kernels (flash-attn's
+    decode op gets its CPU kernel from importing `tests.reference_kernels`)."""
+    monkeypatch.setattr(availability, "_cuda_problem", lambda name, device, dtype: None)
+    monkeypatch.setattr(availability, "_flash_attn_problem", lambda: None)
+    monkeypatch.setattr(availability, "_torch_varlen_problem", lambda: None)
+    monkeypatch.setattr(torch_varlen, "default_kernel", lambda: ref.varlen_attn)
+    monkeypatch.setattr(flash_attn, "default_varlen_kernel", lambda: ref.flash_attn_varlen_func)
 
 
 @pytest.fixture
@@ -100,9 +102,14 @@ def test_unavailable_backend_is_a_clear_error_and_the_model_is_untouched(make_mo
     assert fingerprint(model) == before and not vasepatch.is_patched(model)
 
 
-def test_unknown_backend_is_rejected_by_the_config():
-    with pytest.raises(ValueError, match="attn_backend must be None, 'auto' or one of"):
-        vasepatch.VaSEConfig(budget=128, attn_backend="flash")
+def test_unknown_backend_is_rejected_at_patch_time(make_model):
+    """`VaSEConfig` (a leaf) takes any name; `patch` checks it against the backends before touching the model."""
+    config = vasepatch.VaSEConfig(budget=128, attn_backend="flash")
+    model = make_model("qwen3")
+    before = fingerprint(model)
+    with pytest.raises(ValueError, match=r"attn_backend='flash' is not available: unknown backend; choose one of"):
+        vasepatch.patch(model, config=config)
+    assert fingerprint(model) == before and not vasepatch.is_patched(model)
 
 
 def test_compiled_varlen_decode_is_one_graph(make_model, cpu_varlen):

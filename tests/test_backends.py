@@ -1,4 +1,5 @@
-"""Attention backends on CPU: packing helpers, varlen paths through the reference kernels vs SDPA, dispatch, compile."""
+"""Attention backends on CPU: packing helpers, varlen paths through the reference kernels against a dense
+masked softmax, dispatch, compile."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
+from tests import reference_kernels as ref
 from vasepatch.integration import backends as bk
-from vasepatch.integration import reference_kernels as ref
+from vasepatch.integration.backends import availability
 from vasepatch.integration.varlen import (
     cu_seqlens,
     decode_gaps,
@@ -136,7 +138,6 @@ def _prefill_case(seed: int, q_len: int | None = None, padded: bool = True):
 
 
 DECODE_VARIANTS = {
-    "eager": bk.eager_decode,
     "torch_varlen/seqused": functools.partial(bk.torch_varlen_decode, kernel=ref.varlen_attn, use_seqused=True),
     "torch_varlen/gaps": functools.partial(bk.torch_varlen_decode, kernel=ref.varlen_attn, use_seqused=False),
     "torch_varlen/auto": functools.partial(bk.torch_varlen_decode, kernel=ref.varlen_attn),
@@ -145,7 +146,6 @@ DECODE_VARIANTS = {
 }
 
 PREFILL_VARIANTS = {
-    "eager": bk.eager_prefill,
     "torch_varlen": functools.partial(bk.torch_varlen_prefill, kernel=ref.varlen_attn),
     "flash_attn": functools.partial(bk.flash_attn_prefill, kernel=ref.flash_attn_varlen_func),
 }
@@ -154,33 +154,52 @@ PREFILL_VARIANTS = {
 @pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("per_row_end", [False, True])
-def test_decode_matches_sdpa(variant, seed, per_row_end):
+def test_decode_matches_reference(variant, seed, per_row_end):
     query, keys, values, start, end = _decode_case(seed, per_row_end)
     scale = 0.7 / query.shape[-1] ** 0.5
-    expected = bk.sdpa_decode(query, keys, values, start, end, scale)
+    expected = ref.masked_decode(query, keys, values, start, end, scale)
     out = DECODE_VARIANTS[variant](query, keys, values, start, end, scale)
     assert out.shape == (query.shape[0], 1, query.shape[1], query.shape[-1])
     assert torch.allclose(out, expected, atol=ATOL, rtol=0), (out - expected).abs().max()
 
 
-def test_sdpa_decode_matches_explicit_softmax():
-    """The reference itself: per (b, h) softmax over exactly the slots [start, end)."""
-    query, keys, values, start, end = _decode_case(3)
-    out = bk.sdpa_decode(query, keys, values, start, end)
+@pytest.mark.parametrize("per_row_end", [False, True])
+def test_masked_decode_reference_is_a_softmax_over_the_range(per_row_end):
+    """The decode reference itself: per (b, h) softmax over exactly the slots [start, end)."""
+    query, keys, values, start, end = _decode_case(3, per_row_end)
+    out = ref.masked_decode(query, keys, values, start, end)
     groups = query.shape[1] // keys.shape[1]
     for b in range(query.shape[0]):
+        e = int(end[b]) if per_row_end else end
         for h in range(query.shape[1]):
             s0 = int(start[b, h // groups])
-            k, v = keys[b, h // groups, s0:end], values[b, h // groups, s0:end]
+            k, v = keys[b, h // groups, s0:e], values[b, h // groups, s0:e]
             p = torch.softmax(query[b, h, 0] @ k.T / query.shape[-1] ** 0.5, -1)
             assert torch.allclose(out[b, 0, h], p @ v, atol=ATOL)
 
 
+def test_masked_prefill_reference_is_causal_over_the_real_tokens():
+    """The prefill reference itself: token t of a row attends to the row's real tokens <= t; padding gives zeros."""
+    query, key, value, padding = _prefill_case(5)
+    out = ref.masked_prefill(query, key, value, padding, 0.4)
+    groups = query.shape[1] // key.shape[1]
+    for b in range(query.shape[0]):
+        for t in range(query.shape[2]):
+            if not padding[b, t]:
+                assert not out[b, t].any()
+                continue
+            seen = padding[b, : t + 1].nonzero().reshape(-1)
+            for h in range(query.shape[1]):
+                k, v = key[b, h // groups, seen], value[b, h // groups, seen]
+                p = torch.softmax(query[b, h, t] @ k.T * 0.4, -1)
+                assert torch.allclose(out[b, t, h], p @ v, atol=ATOL)
+
+
 @pytest.mark.parametrize("variant", list(PREFILL_VARIANTS))
 @pytest.mark.parametrize("seed", range(6))
-def test_prefill_matches_sdpa(variant, seed):
+def test_prefill_matches_reference(variant, seed):
     query, key, value, padding = _prefill_case(seed)
-    expected = bk.sdpa_prefill(query, key, value, padding)
+    expected = ref.masked_prefill(query, key, value, padding)
     out = PREFILL_VARIANTS[variant](query, key, value, padding)
     assert out.shape == (query.shape[0], query.shape[2], query.shape[1], query.shape[-1])
     assert torch.allclose(out, expected, atol=ATOL, rtol=0), (out - expected).abs().max()
@@ -191,9 +210,9 @@ def test_prefill_matches_sdpa(variant, seed):
 @pytest.mark.parametrize(("q_len", "padded"), [(1, True), (6, False)])
 def test_prefill_edge_cases(variant, q_len, padded):
     query, key, value, padding = _prefill_case(1, q_len=q_len, padded=padded)
-    expected = bk.sdpa_prefill(query, key, value, padding)
+    expected = ref.masked_prefill(query, key, value, padding)
     out = PREFILL_VARIANTS[variant](query, key, value, padding, 0.3)
-    assert torch.allclose(out, bk.sdpa_prefill(query, key, value, padding, 0.3), atol=ATOL, rtol=0)
+    assert torch.allclose(out, ref.masked_prefill(query, key, value, padding, 0.3), atol=ATOL, rtol=0)
     if not padded:  # plain causal attention
         causal = torch.nn.functional.scaled_dot_product_attention(
             query, *(x.repeat_interleave(query.shape[1] // key.shape[1], 1) for x in (key, value)), is_causal=True
@@ -205,7 +224,7 @@ def test_prefill_reuses_packing():
     query, key, value, padding = _prefill_case(2)
     packing = pack_prompt(padding)
     out = bk.torch_varlen_prefill(query, key, value, padding, kernel=ref.varlen_attn, packing=packing)
-    assert torch.allclose(out, bk.sdpa_prefill(query, key, value, padding), atol=ATOL)
+    assert torch.allclose(out, ref.masked_prefill(query, key, value, padding), atol=ATOL)
 
 
 # --------------------------------------------------------------------------- torch release compatibility
@@ -239,10 +258,10 @@ def test_older_torch_varlen_signatures(kernel):
     assert not spec.seqused_k and not spec.enable_gqa
     query, keys, values, start, end = _decode_case(4)
     out = bk.torch_varlen_decode(query, keys, values, start, end, 0.2, kernel=kernel)  # falls back to the gaps
-    assert torch.allclose(out, bk.sdpa_decode(query, keys, values, start, end, 0.2), atol=ATOL)
+    assert torch.allclose(out, ref.masked_decode(query, keys, values, start, end, 0.2), atol=ATOL)
     query, key, value, padding = _prefill_case(4)
     out = bk.torch_varlen_prefill(query, key, value, padding, 0.2, kernel=kernel)
-    assert torch.allclose(out, bk.sdpa_prefill(query, key, value, padding, 0.2), atol=ATOL)
+    assert torch.allclose(out, ref.masked_prefill(query, key, value, padding, 0.2), atol=ATOL)
 
 
 def test_varlen_spec_of_installed_torch():
@@ -326,7 +345,7 @@ def test_opcheck_custom_ops():
     packed = torch.randn(4, 2, 8, generator=g), torch.randn(6, 1, 8, generator=g), torch.randn(6, 1, 8, generator=g)
     for seqused in (None, used):
         torch.library.opcheck(
-            torch.ops.vasepatch.reference_varlen_attn, (*packed, cu_q, cu_k, 2, 3, 0.3, False, seqused)
+            torch.ops.vasepatch_tests.reference_varlen_attn, (*packed, cu_q, cu_k, 2, 3, 0.3, False, seqused)
         )
 
 
@@ -334,8 +353,6 @@ def test_opcheck_custom_ops():
 
 
 COMPILED_DECODES = {
-    "sdpa": bk.sdpa_decode,
-    "eager": bk.eager_decode,
     "torch_varlen/seqused": functools.partial(bk.torch_varlen_decode, kernel=ref.varlen_attn, use_seqused=True),
     "torch_varlen/gaps": functools.partial(bk.torch_varlen_decode, kernel=ref.varlen_attn, use_seqused=False),
     "flash_attn/op": bk.flash_attn_decode,
@@ -354,7 +371,7 @@ def test_decode_compiles_without_graph_breaks(variant, per_row_end):
     out = compiled(query, keys, values, start, end)
     assert cc.frame_count == 1
     assert not counters["graph_break"]
-    assert torch.allclose(out, bk.sdpa_decode(query, keys, values, start, end, 0.25), atol=ATOL)
+    assert torch.allclose(out, ref.masked_decode(query, keys, values, start, end, 0.25), atol=ATOL)
 
 
 def test_real_torch_varlen_decode_traces_fullgraph():
@@ -387,9 +404,9 @@ def test_resolve_backend_on_cpu():
 
 
 def test_unavailable_reasons(monkeypatch):
-    monkeypatch.setitem(bk._PACKAGE_PROBLEMS, "flash_attn", None)  # pretend it is installed
+    monkeypatch.setitem(availability._PACKAGE_PROBLEMS, "flash_attn", None)  # pretend it is installed
     assert bk.unavailable_reason("flash_attn", "cpu") == "flash_attn needs a CUDA device (got cpu)"
-    monkeypatch.setitem(bk._PACKAGE_PROBLEMS, "flash_attn", "flash_attn is not installed")
+    monkeypatch.setitem(availability._PACKAGE_PROBLEMS, "flash_attn", "flash_attn is not installed")
     assert bk.unavailable_reason("flash_attn", "cpu") == "flash_attn is not installed"
     if not torch.cuda.is_available():
         assert "CUDA is not available" in bk.unavailable_reason("torch_varlen", "cuda", torch.bfloat16)
@@ -397,25 +414,30 @@ def test_unavailable_reasons(monkeypatch):
 
 def test_dispatch():
     query, keys, values, start, end = _decode_case(2)
-    expected = bk.sdpa_decode(query, keys, values, start, end)
-    for name in ("sdpa", "eager"):
-        assert torch.allclose(bk.decode_attention(name, query, keys, values, start, end), expected, atol=ATOL)
+    expected = ref.masked_decode(query, keys, values, start, end)
     out = bk.decode_attention("torch_varlen", query, keys, values, start, end, kernel=ref.varlen_attn)
     assert torch.allclose(out, expected, atol=ATOL)
+    out = bk.decode_attention("flash_attn", query, keys, values, start, end, kernel=ref.flash_attn_with_kvcache)
+    assert torch.allclose(out, expected, atol=ATOL)
     query, key, value, padding = _prefill_case(2)
-    expected = bk.sdpa_prefill(query, key, value, padding)
+    expected = ref.masked_prefill(query, key, value, padding)
     out = bk.prefill_attention("flash_attn", query, key, value, padding, kernel=ref.flash_attn_varlen_func)
+    assert torch.allclose(out, expected, atol=ATOL)
+    out = bk.prefill_attention("torch_varlen", query, key, value, padding, kernel=ref.varlen_attn)
     assert torch.allclose(out, expected, atol=ATOL)
     with pytest.raises(ValueError, match="attn_backend must be one of"):
         bk.decode_attention("flash", query, keys, values, start, end)
-    with pytest.raises(ValueError, match="takes no kernel"):
-        bk.prefill_attention("sdpa", query, key, value, padding, kernel=ref.varlen_attn)
+    for name in ("sdpa", "eager"):  # they attend with kernels.grouped_attention over the cache's mask
+        with pytest.raises(ValueError, match=rf"attn_backend='{name}' has no varlen kernel"):
+            bk.decode_attention(name, query, keys, values, start, end)
+        with pytest.raises(ValueError, match=rf"attn_backend='{name}' has no varlen kernel"):
+            bk.prefill_attention(name, query, key, value, padding)
 
 
 def test_decode_shape_checks():
     query, keys, values, start, end = _decode_case(0)
     with pytest.raises(ValueError, match="one query per row"):
-        bk.sdpa_decode(torch.cat([query, query], 2), keys, values, start, end)
+        bk.flash_attn_decode(torch.cat([query, query], 2), keys, values, start, end, kernel=ref.flash_attn_with_kvcache)
     with pytest.raises(ValueError, match=r"start must be \[B, Hkv\]"):
         bk.torch_varlen_decode(query, keys, values, start[:, :1].expand(-1, 3), end, kernel=ref.varlen_attn)
 

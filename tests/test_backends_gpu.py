@@ -1,4 +1,5 @@
-"""Attention backends on CUDA: every available backend against SDPA in bf16 (ragged starts, GQA, left padding)."""
+"""Attention backends on CUDA: every available varlen backend in bf16 against a dense fp32 masked softmax
+(ragged starts, GQA, left padding)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
+from tests import reference_kernels as ref
 from vasepatch.integration import backends as bk
+from vasepatch.integration.backends import torch_varlen
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 DTYPE = torch.bfloat16
 TOL = 2e-2
-GPU_BACKENDS = ("flash_attn", "torch_varlen", "eager")
+GPU_BACKENDS = bk.VARLEN_BACKENDS
 
 
 def _require(backend: str) -> None:
@@ -44,7 +47,7 @@ def _decoders(backend: str) -> dict[str, functools.partial]:
     if backend != "torch_varlen":
         return {backend: functools.partial(fn)}
     out = {"gaps": functools.partial(fn, use_seqused=False)}
-    if bk.varlen_spec(bk._torch_varlen_kernel()).seqused_k:
+    if bk.varlen_spec(torch_varlen.default_kernel()).seqused_k:
         out["seqused"] = functools.partial(fn, use_seqused=True)
     return out
 
@@ -52,10 +55,10 @@ def _decoders(backend: str) -> dict[str, functools.partial]:
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (40, 8), (8, 8), (16, 2)])
 @pytest.mark.parametrize("per_row_end", [False, True])
-def test_decode_matches_sdpa_bf16(backend, hq, hkv, per_row_end):
+def test_decode_matches_reference_bf16(backend, hq, hkv, per_row_end):
     _require(backend)
     args = _decode_inputs(hq, hkv, per_row_end)
-    expected = bk.sdpa_decode(*args)
+    expected = ref.masked_decode(*args)
     for name, fn in _decoders(backend).items():
         with torch.no_grad():
             out = fn(*args)
@@ -68,7 +71,7 @@ def test_decode_matches_sdpa_bf16(backend, hq, hkv, per_row_end):
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (8, 8)])
 @pytest.mark.parametrize("padded", [True, False])
-def test_prefill_matches_sdpa_bf16(backend, hq, hkv, padded):
+def test_prefill_matches_reference_bf16(backend, hq, hkv, padded):
     _require(backend)
     g = torch.Generator(device="cuda").manual_seed(1)
     kw = {"device": "cuda", "generator": g}
@@ -78,7 +81,7 @@ def test_prefill_matches_sdpa_bf16(backend, hq, hkv, padded):
     padding = torch.arange(q_len, device="cuda")[None, :] >= (q_len - lengths)[:, None] if padded else None
     query = torch.randn(b, hq, q_len, d, dtype=DTYPE, **kw)
     key, value = (torch.randn(b, hkv, q_len, d, dtype=DTYPE, **kw) for _ in range(2))
-    expected = bk.sdpa_prefill(query, key, value, padding)
+    expected = ref.masked_prefill(query, key, value, padding)
     with torch.no_grad():
         out = bk.PREFILL[backend](query, key, value, padding)
     diff = (out.float() - expected.float()).abs().max().item()
@@ -98,7 +101,7 @@ def test_decode_compiles_fullgraph_on_cuda(backend):
     with torch.no_grad():
         out = torch.compile(bk.DECODE[backend], backend=cc, fullgraph=True)(*args)
     assert cc.frame_count == 1 and not counters["graph_break"]
-    assert (out.float() - bk.sdpa_decode(*args).float()).abs().max().item() < TOL
+    assert (out.float() - ref.masked_decode(*args).float()).abs().max().item() < TOL
 
 
 def test_resolve_backend_on_cuda():

@@ -1,4 +1,6 @@
-"""Grouped attention kernels against transformers' repeat-KV formulation."""
+"""Grouped attention kernels against transformers' repeat-KV formulation, and against the backends' dense
+references on the masks the `sdpa`/`eager` backends serve (a contiguous slot range per row and KV head; a
+left-padded causal prompt)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import reference_kernels as ref
 from vasepatch.integration.kernels import causal_padding_mask, grouped_attention
 
 
@@ -29,6 +32,33 @@ def test_grouped_equals_repeat_kv(kernel, hq, hkv, q_len):
     out = grouped_attention(query, key, value, mask, 0.3, kernel)
     assert out.shape == (b, q_len, hq, d)
     assert torch.allclose(out, _reference(query, key, value, mask, 0.3), atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_grouped_decode_over_slot_ranges_matches_the_reference(kernel):
+    g = torch.Generator().manual_seed(1)
+    b, hq, hkv, cap, d = 3, 6, 2, 10, 8
+    query = torch.randn(b, hq, 1, d, generator=g)
+    keys, values = torch.randn(b, hkv, cap, d, generator=g), torch.randn(b, hkv, cap, d, generator=g)
+    end = torch.tensor([10, 7, 4])
+    start = torch.tensor([[0, 3], [6, 2], [1, 3]])  # ragged per row and KV head, each range non-empty
+    slots = torch.arange(cap)
+    mask = ((slots >= start[..., None]) & (slots < end[:, None, None])).unsqueeze(2)
+    out = grouped_attention(query, keys, values, mask, 0.3, kernel)
+    assert torch.allclose(out, ref.masked_decode(query, keys, values, start, end, 0.3), atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_grouped_prefill_with_padding_matches_the_reference(kernel):
+    g = torch.Generator().manual_seed(2)
+    b, hq, hkv, q_len, d = 3, 4, 2, 6, 8
+    query = torch.randn(b, hq, q_len, d, generator=g)
+    key, value = torch.randn(b, hkv, q_len, d, generator=g), torch.randn(b, hkv, q_len, d, generator=g)
+    padding = torch.arange(q_len)[None, :] >= torch.tensor([0, 2, 5])[:, None]  # left padding
+    mask = causal_padding_mask(padding, q_len, q_len, torch.device("cpu"))
+    out = grouped_attention(query, key, value, mask, 0.3, kernel)
+    expected = ref.masked_prefill(query, key, value, padding, 0.3)
+    assert torch.allclose(out[padding], expected[padding], atol=1e-6)  # padding rows: unspecified here
 
 
 def test_unknown_kernel():

@@ -1,5 +1,6 @@
-"""Naive CPU stand-ins for the CUDA varlen kernels, with the same call signatures.
+"""Naive reference kernels for the attention backend tests (and `benchmarks/gpu_check.py --allow-cpu`).
 
+CPU stand-ins for the CUDA varlen kernels, with the same call signatures:
 `varlen_attn` mirrors `torch.nn.attention.varlen.varlen_attn` (torch 2.12+ API),
 `flash_attn_varlen_func` and `flash_attn_with_kvcache` mirror flash-attn 2.x
 (`flash_attn/flash_attn_interface.py`). Each loops over the sequences with a
@@ -17,13 +18,22 @@ plain fp32 softmax and follows the documented semantics the backends rely on:
 They also check what the CUDA kernels check (int32 offsets, contiguous last
 dimension) and what they silently trust (`max_q`/`max_k` bounding every
 sequence), so the tests catch packing bugs the GPU would turn into garbage.
-`varlen_attn` runs through a registered custom op, opaque to `torch.compile`
-like the real one. For tests and `benchmarks/gpu_check.py --allow-cpu` only.
+`varlen_attn` runs through a custom op of its own, opaque to `torch.compile`
+like the real one; importing this module also registers `flash_attn_with_kvcache`
+as the CPU kernel of the backends' `vasepatch::flash_attn_kvcache` op (which has
+only a CUDA kernel in production).
+
+`masked_decode` and `masked_prefill` are the dense references the varlen paths
+are compared with: the backends' decode/prefill contract written as an explicit
+fp32 masked softmax over the padded tensors, with the mask built from
+`start`/`end` or from the padding.
 """
 
 from __future__ import annotations
 
 import torch
+
+from vasepatch.integration.backends import flash_attn as flash_backend
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
@@ -86,7 +96,7 @@ def _varlen_loop(
     return out
 
 
-@torch.library.custom_op("vasepatch::reference_varlen_attn", mutates_args=())
+@torch.library.custom_op("vasepatch_tests::reference_varlen_attn", mutates_args=())
 def _reference_varlen_op(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -136,7 +146,7 @@ def varlen_attn(
         raise NotImplementedError(f"the reference supports full or causal attention, not window_size={window_size}")
     causal = tuple(window_size) == (-1, 0)
     s = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    return torch.ops.vasepatch.reference_varlen_attn(
+    return torch.ops.vasepatch_tests.reference_varlen_attn(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, s, causal, seqused_k
     )
 
@@ -231,3 +241,65 @@ def flash_attn_with_kvcache(
             raise ValueError(f"row {b}: cache range [{lefts[b]}, {ends[b]}) is outside [0, {seqlen}]")
         out[b] = attend(q[b], k_cache[b, lefts[b] : ends[b]], v_cache[b, lefts[b] : ends[b]], s, causal)
     return out
+
+
+@torch.library.register_kernel(flash_backend.OP_NAME, "cpu")
+def _flash_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale):
+    """The CPU kernel of the backends' `vasepatch::flash_attn_kvcache` op: the stand-in above."""
+    return flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, softmax_scale=softmax_scale
+    )
+
+
+# --------------------------------------------------------------------------- dense masked references
+
+
+def _masked_softmax_attention(q, k, v, allowed, scale):
+    """`q [..., Lq, D]`, `k`/`v` `[..., Lk, D]`, `allowed [..., Lq, Lk]` bool: fp32 softmax over the
+    allowed keys, zeros for a query that may see none."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    probs = torch.where(allowed.any(-1, keepdim=True), probs, torch.zeros((), device=q.device))
+    return torch.matmul(probs, v.float())
+
+
+def masked_decode(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: torch.Tensor,
+    end: int | torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The decode contract, densely: `query [B, Hq, 1, D]`, `keys`/`values` `[B, Hkv, C, D]`; query head `h` of
+    row `b` attends to slots `[start[b, h // G], end_b)` of its KV head. `[B, 1, Hq, D]` out, in `query`'s dtype."""
+    b, hq, _, d = query.shape
+    groups, cap = hq // keys.shape[1], keys.shape[2]
+    ends = end.reshape(-1).expand(b) if isinstance(end, torch.Tensor) else torch.full((b,), int(end))
+    slots = torch.arange(cap, device=query.device)
+    allowed = (slots >= start[..., None]) & (slots < ends.to(query.device)[:, None, None])  # [B, Hkv, C]
+    allowed = allowed.repeat_interleave(groups, dim=1)[:, :, None, :]  # [B, Hq, 1, C]
+    k, v = (x.repeat_interleave(groups, dim=1) for x in (keys, values))
+    s = d**-0.5 if scale is None else float(scale)
+    return _masked_softmax_attention(query, k, v, allowed, s).transpose(1, 2).to(query.dtype)
+
+
+def masked_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    padding: torch.Tensor | None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The prefill contract, densely: `query [B, Hq, Q, D]`, `key`/`value` `[B, Hkv, Q, D]`, `padding [B, Q]`
+    (True = real token) or None; token `t` attends to the real tokens `<= t`, padding rows are zeros.
+    `[B, Q, Hq, D]` out, in `query`'s dtype."""
+    b, hq, q_len, d = query.shape
+    groups = hq // key.shape[1]
+    allowed = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()[None, None]
+    real = torch.ones(b, q_len, dtype=torch.bool, device=query.device) if padding is None else padding.bool()
+    allowed = allowed & real[:, None, None, :]  # [B, 1, Q, Q]: causal, padding keys hidden
+    k, v = (x.repeat_interleave(groups, dim=1) for x in (key, value))
+    s = d**-0.5 if scale is None else float(scale)
+    out = _masked_softmax_attention(query, k, v, allowed, s).transpose(1, 2)  # [B, Q, Hq, D]
+    return out.masked_fill(~real[:, :, None, None], 0.0).to(query.dtype)
