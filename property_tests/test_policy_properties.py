@@ -48,6 +48,21 @@ def _kept_mask(idx, n):
     return torch.zeros((*idx.shape[:2], n), dtype=torch.bool).scatter(-1, idx, True)
 
 
+# a policy with a `sinks` option promises to keep the sinks
+SINK_KEEPERS = [name for name in policies.available() if "sinks" in policies.get(name).options]
+
+
+@pytest.mark.parametrize("name", SINK_KEEPERS)
+@given(case=policy_cases())
+def test_every_policy_with_a_sinks_option_keeps_the_sinks(name, case):
+    """Whenever the sinks fit (in `n_keep`, and in `protect` for a policy that has it), all are kept."""
+    policy = _build(name, case)
+    kept = _kept_mask(_select(policy, case), case.valid.shape[-1])
+    sink = case.valid & (case.positions < case.sinks)
+    room = min(policy.options.get("protect", case.n_keep), case.n_keep)
+    assert (kept | ~sink)[sink.sum(-1) <= room].all()
+
+
 @given(case=policy_cases(), sample=st.booleans())
 def test_vase_never_evicts_sinks(case, sample):
     kept = _kept_mask(_select(_build("vase", case, sample=sample), case), case.valid.shape[-1])

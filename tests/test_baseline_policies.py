@@ -19,9 +19,11 @@ def test_every_registered_name_builds_with_the_common_options():
 
 
 def test_unknown_options_are_named():
-    with pytest.raises(ValueError, match=r"SnapKVPolicy has no option\(s\) \['lam'\]"):
+    with pytest.raises(
+        ValueError, match=r"policy 'snapkv' has no option\(s\) lam; its options are: temperature, smooth"
+    ):
         policies.get("snapkv", lam=0.5)
-    assert policies.get("rkv", lam=0.25).lam == 0.25
+    assert policies.get("rkv", lam=0.25).options["lam"] == 0.25
 
 
 def test_snapkv_keeps_the_most_attended():
@@ -115,9 +117,17 @@ def test_random_is_uniform_and_skips_padding():
     assert torch.allclose(freq, torch.full_like(freq, 0.2), atol=0.02)
 
 
-def test_full_never_evicts():
-    assert not policies.evicts(policies.get("full"))
-    assert all(policies.evicts(policies.get(n)) for n in policies.available() if n != "full")
+def test_knorm_keeps_the_sinks_then_the_smallest_key_norms():
+    # key norms 5, 1, 4, 0.5, 3, 2 (candidate 0 is the sink)
+    keys = torch.tensor([[3.0, 4.0], [1.0, 0.0], [0.0, -4.0], [0.3, 0.4], [3.0, 0.0], [0.0, 2.0]]).view(1, 1, 6, 2)
+    _, values, queries, positions, valid = _case()
+    policy = policies.get("knorm", sinks=1)
+    assert sorted(policy.select(keys, values, queries, positions, valid, 3).flatten().tolist()) == [0, 1, 3]
+    assert sorted(policy.select(keys, values, None, positions, valid, 4).flatten().tolist()) == [0, 1, 3, 5]
+    # without sinks candidate 0 (the largest norm) goes; the invalid smallest-norm key is never kept
+    valid = torch.tensor([True, True, True, False, True, True]).view(1, 1, 6)
+    no_sinks = policies.get("knorm", sinks=0)
+    assert sorted(no_sinks.select(keys, values, None, positions, valid, 3).flatten().tolist()) == [1, 4, 5]
 
 
 def test_evict_large_drops_the_largest_ranges():
@@ -145,5 +155,5 @@ def test_vase_topk_is_deterministic():
 
 
 def test_vase_variants_use_their_value_score():
-    assert policies.get("vase-l2").score == "l2" and policies.get("vase-var").score == "var"
-    assert math.isclose(policies.get("vase-l2", temperature=2.0).temperature, 2.0)
+    assert policies.get("vase-l2").options["score"] == "l2" and policies.get("vase-var").options["score"] == "var"
+    assert math.isclose(policies.get("vase-l2", temperature=2.0).options["temperature"], 2.0)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from vasepatch import policies
+from vasepatch.config import VaSEConfig
 from vasepatch.policies import scoring
 
 
@@ -111,25 +114,161 @@ def test_bad_calls_are_rejected():
 
 
 def test_registry():
-    assert "vase" in policies.available()
+    assert "vase" in policies.available() and "full" not in policies.available()
     with pytest.raises(ValueError, match=r"unknown policy 'nope'; registered policies: .*vase"):
         policies.get("nope")
     with pytest.raises(ValueError, match="already registered"):
-        policies.register("vase", policies.VaSEPolicy)
+        policies.register("vase", policies.vase)
 
-    class KeepFirst:
-        def __init__(self, **options):
-            self.options = options
+    def keep_first(valid, *, offset: int = 0):
+        return -torch.arange(valid.shape[-1], dtype=torch.float32).expand(valid.shape) + offset
 
-        def select(self, keys, values, queries, positions, valid, n_keep, generator=None):
-            return torch.arange(n_keep).expand(*keys.shape[:2], n_keep)
-
-    policies.register("test-keep-first", KeepFirst)
+    policies.register("test-keep-first", keep_first)
     try:
-        assert isinstance(policies.get("test-keep-first", protect=3), policies.Policy)
+        policy = policies.get("test-keep-first", protect=3, offset=2)
+        assert isinstance(policy, policies.Policy) and dict(policy.options) == {"offset": 2}
         assert "test-keep-first" in policies.available()
+        assert _kept(policy, 3) == [0, 1, 2]
+        assert _kept(policy, 3, valid=[False, True, True, False, True, True]) == [1, 2, 4]  # invalid ones last
     finally:
         policies._REGISTRY.pop("test-keep-first")
+
+
+def test_registration_is_checked():
+    def reads_unknown(keys, attention, *, sinks: int = 4):
+        return keys.sum(-1)
+
+    def no_default(valid, *, rank: int):
+        return valid.float()
+
+    with pytest.raises(TypeError, match=r"unknown input\(s\) \['attention'\]"):
+        policies.register("test-bad", reads_unknown)
+    with pytest.raises(TypeError, match="option 'rank' of no_default needs a default"):
+        policies.register("test-bad", no_default)
+    with pytest.raises(ValueError, match="option rank must be an int >= 1, got 0"):
+        policies.register("test-bad", policies.dkv, rank=0)  # presets are checked at registration
+    with pytest.raises(ValueError, match="never-evict mode"):
+        policies.register("full", policies.streaming)
+    assert "test-bad" not in policies.available()
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("rkv", {"lam": 2}, "policy 'rkv': option lam must be a number in [0, 1], got 2"),
+        ("rkv", {"lam": "0.5"}, "policy 'rkv': option lam must be a number in [0, 1], got '0.5'"),
+        ("rkv", {"lam": True}, "option lam must be a number in [0, 1], got True"),
+        ("vase", {"sinks": -1}, "policy 'vase': option sinks must be an int >= 0, got -1"),
+        ("vase", {"protect": 1.5}, "option protect must be an int >= 0, got 1.5"),
+        ("snapkv", {"smooth": 0}, "policy 'snapkv': option smooth must be an int >= 1, got 0"),
+        ("snapkv", {"temperature": 0.0}, "option temperature must be a number finite and > 0, got 0.0"),
+        ("vase", {"temperature": float("nan")}, "option temperature must be a number finite and > 0, got nan"),
+        ("vase", {"score": "max"}, "policy 'vase': option score must be one of 'range', 'l2', 'var', got 'max'"),
+        ("vase", {"protection": "none"}, "option protection must be one of 'largest', 'random', 'evict-largest'"),
+        ("vase", {"sample": 1}, "policy 'vase': option sample must be a bool, got 1"),
+        ("cur", {"rank": 0}, "policy 'cur': option rank must be an int >= 1, got 0"),
+        ("cur", {"seed": "0"}, "policy 'cur': option seed must be an int, got '0'"),
+        ("snapkv", {"lam": 0.5}, "policy 'snapkv' has no option(s) lam; its options are: temperature, smooth"),
+        ("random", {"rank": 3}, "policy 'random' has no option(s) rank; its options are: none"),
+    ],
+)
+def test_bad_options_are_named_when_the_policy_is_built(name, options, message):
+    with pytest.raises(ValueError) as err:
+        policies.get(name, **options)
+    assert message in str(err.value)
+
+
+def test_full_is_a_cache_mode_not_a_policy():
+    with pytest.raises(ValueError, match=r"'full' is the cache's never-evict mode"):
+        policies.get("full")
+    with pytest.raises(ValueError, match=r"'full' is the cache's never-evict mode"):
+        policies.for_config(VaSEConfig(budget=32, window=4, policy="full"))
+
+
+def test_for_config_passes_each_config_field_to_the_policies_that_declare_it():
+    config = VaSEConfig(budget=40, window=8, protect=7, sinks=3, temperature=0.7, smooth=3)
+    expected = {"protect": 7, "sinks": 3, "temperature": 0.7, "smooth": 3}
+    uses = {  # which common options each policy declares
+        "vase": {"protect", "sinks", "temperature", "smooth"},
+        "evict-large": {"protect", "sinks", "temperature", "smooth"},
+        "vase-dkv": {"sinks"},
+        "snapkv": {"temperature", "smooth"},
+        "rkv": {"temperature", "smooth"},
+        "knorm": {"sinks"},
+        "streaming": {"sinks"},
+        "random": set(),
+    }
+    for name in policies.available():
+        policy = policies.for_config(config.replace(policy=name))
+        assert policy.name == name
+        common = {k: v for k, v in policy.options.items() if k in policies.COMMON_OPTIONS}
+        assert common == {k: expected[k] for k in common}, name  # every declared one carries the config's value
+        if name in uses:
+            assert set(common) == uses[name], name
+    rkv = policies.for_config(config.replace(policy="rkv", policy_options={"lam": 0.3}))
+    assert dict(rkv.options) == {"lam": 0.3, "temperature": 0.7, "smooth": 3}
+    assert policies.for_config(config.replace(policy="vase-topk")).options["sample"] is False  # the preset
+    with pytest.raises(ValueError, match="policy_options may not set sinks"):
+        policies.for_config(config.replace(policy="knorm", policy_options={"sinks": 1}))
+
+
+def test_the_options_change_the_selection():
+    """The options a policy is built with are the ones its priority function runs with."""
+    assert _kept(policies.get("streaming", sinks=1), 3) == [0, 4, 5]
+    assert _kept(policies.get("streaming", sinks=2), 3) == [0, 1, 5]
+    # zero-padded pooling of softmax(i) over 3 neighbours: candidate 4 overtakes candidate 5
+    assert _kept(policies.get("snapkv", smooth=1), 1) == [5]
+    assert _kept(policies.get("snapkv", smooth=3), 1) == [4]
+    # a very hot softmax flattens attention: R-KV then keeps the least redundant key
+    keys = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 1.0]]).view(1, 1, 3, 2)
+    args = (keys, torch.ones(1, 1, 3, 2), torch.tensor([3.0, 0.0]).view(1, 1, 1, 2))
+    args += (torch.arange(3).view(1, 1, 3), torch.ones(1, 1, 3, dtype=torch.bool))
+    assert policies.get("rkv", smooth=1, temperature=1.0).select(*args, 1).item() == 1
+    assert policies.get("rkv", smooth=1, temperature=1e4).select(*args, 1).item() == 2
+
+
+def _golden_case():
+    """A tiny deterministic input (no random numbers): 2 rows, 1 KV head, 2 query heads, 10 candidates,
+    row 1 left-padded by 2, one large-range value per row."""
+    b, h, g, n, d, w = 2, 1, 2, 10, 4, 3
+    t = torch.arange(b * h * n * d, dtype=torch.float32)
+    keys = torch.sin(t * 0.7).view(b, h, n, d) * 2
+    values = torch.cos(t * 1.3).view(b, h, n, d)
+    values[0, 0, 6] *= 8
+    values[1, 0, 4] *= 8
+    queries = torch.sin(torch.arange(b * h * g * w * d, dtype=torch.float32) * 0.37 + 1).view(b, h * g, w, d)
+    valid = torch.ones(b, h, n, dtype=torch.bool)
+    valid[1, :, :2] = False
+    positions = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
+    return keys, values, queries, positions, valid
+
+
+# Recorded from the dataclass policies before the refactor (one policy per function): two
+# consecutive selections of 5 with one generator seeded 1234, protect=3, sinks=2,
+# temperature=0.8, smooth=3; each row's kept indices, sorted. The same random draws in the
+# same order give the same picks, so the committed probe numbers cannot move.
+GOLDEN = {
+    "vase": [[[0, 1, 5, 6, 8], [2, 3, 4, 5, 7]], [[0, 1, 4, 6, 8], [2, 3, 4, 6, 8]]],
+    "vase-topk": [[[0, 1, 6, 7, 8], [2, 3, 4, 6, 8]], [[0, 1, 6, 7, 8], [2, 3, 4, 6, 8]]],
+    "vase-l2": [[[0, 1, 5, 6, 8], [2, 3, 4, 5, 7]], [[0, 1, 4, 6, 8], [2, 3, 4, 6, 8]]],
+    "vase-var": [[[0, 1, 5, 6, 8], [2, 3, 4, 5, 7]], [[0, 1, 4, 6, 8], [2, 3, 4, 6, 8]]],
+    "protect-random": [[[0, 1, 4, 5, 8], [2, 3, 6, 8, 9]], [[0, 1, 2, 6, 8], [2, 3, 4, 7, 8]]],
+    "evict-large": [[[0, 1, 5, 8, 9], [2, 3, 6, 8, 9]], [[0, 1, 3, 5, 8], [2, 3, 6, 8, 9]]],
+    "vase-dkv": [[[0, 1, 6, 8, 9], [2, 3, 4, 7, 8]], [[0, 1, 3, 4, 6], [2, 3, 4, 5, 8]]],
+    "cur": [[[0, 1, 3, 6, 9], [2, 3, 4, 7, 8]], [[0, 1, 3, 6, 9], [2, 3, 4, 7, 8]]],
+    "snapkv": [[[4, 5, 6, 7, 8], [4, 5, 6, 7, 8]], [[4, 5, 6, 7, 8], [4, 5, 6, 7, 8]]],
+    "rkv": [[[1, 5, 6, 7, 8], [4, 5, 6, 7, 8]], [[1, 5, 6, 7, 8], [4, 5, 6, 7, 8]]],
+    "streaming": [[[0, 1, 7, 8, 9], [2, 3, 7, 8, 9]], [[0, 1, 7, 8, 9], [2, 3, 7, 8, 9]]],
+    "random": [[[1, 3, 5, 7, 8], [2, 3, 5, 7, 9]], [[0, 3, 4, 5, 8], [2, 4, 5, 6, 8]]],
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_selection_is_unchanged_by_the_refactor(name):
+    policy = policies.get(name, protect=3, sinks=2, temperature=0.8, smooth=3)
+    gen = torch.Generator().manual_seed(1234)
+    calls = [policy.select(*_golden_case(), 5, generator=gen).sort(-1).values.flatten(1).tolist() for _ in range(2)]
+    assert calls == GOLDEN[name]
 
 
 def test_valid_candidates_with_zero_attention_still_beat_invalid_ones():
@@ -145,3 +284,11 @@ def test_valid_candidates_with_zero_attention_still_beat_invalid_ones():
     for seed in range(50):
         idx = policy.select(keys, values, queries, positions, valid, 2, torch.Generator().manual_seed(seed))
         assert sorted(idx.flatten().tolist()) == [0, 1]
+
+
+def test_the_contributing_example_is_the_real_code():
+    """CONTRIBUTING.md shows `knorm` and its registry line exactly as they are in the code."""
+    text = (Path(__file__).parents[1] / "CONTRIBUTING.md").read_text()
+    assert inspect.getsource(policies.knorm) in text
+    registry = Path(inspect.getfile(policies)).read_text()
+    assert '\nregister("knorm", knorm)\n' in registry and '\nregister("knorm", knorm)\n' in text

@@ -1,7 +1,8 @@
 """Selection policies, by name.
 
-`get(name, **options)` builds a policy; `register(name, factory)` adds one.
-Every registered policy is checked by the property tests automatically.
+`get(name, **options)` builds a policy; `register(name, priority, **preset)` adds
+one. Every registered policy is checked by the property tests automatically.
+Never evicting (`policy="full"`) is a mode of the cache, not a policy.
 
 | name | policy |
 |---|---|
@@ -14,59 +15,51 @@ Every registered policy is checked by the property tests automatically.
 | `cur` | the same with one fixed `G` |
 | `snapkv` | window attention, deterministic top-k |
 | `rkv` | R-KV: `0.5·attention - 0.5·key redundancy`, top-k |
+| `knorm` | sinks + the keys with the smallest L2 norm |
 | `streaming` | StreamingLLM: sinks + most recent |
 | `random` | uniform among the valid candidates |
-| `full` | never evicts (the reference; `budget` must cover the whole sequence) |
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
-from vasepatch.policies.base import Policy
-from vasepatch.policies.dkv import DKVPolicy
-from vasepatch.policies.rkv import RKVPolicy
-from vasepatch.policies.simple import FullPolicy, RandomPolicy, StreamingPolicy
-from vasepatch.policies.snapkv import SnapKVPolicy
-from vasepatch.policies.vase import VaSEPolicy
+from vasepatch.config import FULL
+from vasepatch.policies.base import INPUTS, Policy, PriorityFn, inputs_of
+from vasepatch.policies.dkv import dkv
+from vasepatch.policies.knorm import knorm
+from vasepatch.policies.options import COMMON_OPTIONS, Option, options_of, resolve
+from vasepatch.policies.rkv import rkv
+from vasepatch.policies.simple import streaming, uniform
+from vasepatch.policies.snapkv import snapkv
+from vasepatch.policies.vase import vase
 
-COMMON_OPTIONS = ("protect", "sinks", "temperature", "smooth")
-_REGISTRY: dict[str, Callable[..., Policy]] = {}
+_REGISTRY: dict[str, tuple[PriorityFn, dict[str, Option], dict[str, Any]]] = {}
 
 
-def register(name: str, factory: Callable[..., Policy], *, overwrite: bool = False) -> None:
-    """Register `factory(**options) -> Policy` under `name`.
+def _not_a_policy(name: str) -> ValueError:
+    return ValueError(f"{name!r} is the cache's never-evict mode (VaSEConfig(policy={name!r})), not a policy")
 
-    The cache calls the factory with the common options `protect`, `sinks`,
-    `temperature` and `smooth` (plus any `policy_options` of the config), so a
-    factory must accept those keywords, using the ones it needs
-    (`from_dataclass` builds such a factory from a policy dataclass).
+
+def register(name: str, priority: PriorityFn, *, overwrite: bool = False, **preset: Any) -> None:
+    """Register the priority function `priority` under `name`, with some options preset.
+
+    `priority`'s positional parameters name the inputs it reads (out of
+    `base.INPUTS`), its keyword-only parameters are its options (each with a
+    default). The presets are checked now; options given to `get` override them.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy name must be a non-empty string, got {name!r}")
-    if not callable(factory):
-        raise TypeError(f"factory for policy {name!r} must be callable")
+    if name == FULL:
+        raise _not_a_policy(name)
+    if not callable(priority):
+        raise TypeError(f"priority function of policy {name!r} must be callable")
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"policy {name!r} is already registered (pass overwrite=True to replace it)")
-    _REGISTRY[name] = factory
-
-
-def from_dataclass(cls: type, **preset: Any) -> Callable[..., Policy]:
-    """A factory for the policy dataclass `cls` with `preset` fields: the common options
-    that `cls` has no field for are dropped; any other unknown option is an error."""
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}
-
-    def factory(**options: Any) -> Policy:
-        kwargs = {k: v for k, v in options.items() if k in fields or k not in COMMON_OPTIONS}
-        unknown = sorted(set(kwargs) - fields)
-        if unknown:
-            raise ValueError(f"{cls.__name__} has no option(s) {unknown}; its options are {sorted(fields)}")
-        return cls(**{**preset, **kwargs})
-
-    factory.__doc__ = cls.__doc__
-    return factory
+    inputs_of(priority)
+    declared = options_of(priority)
+    resolve(name, declared, {k: v for k, v in preset.items() if k in declared or k not in COMMON_OPTIONS})
+    _REGISTRY[name] = (priority, declared, preset)
 
 
 def available() -> list[str]:
@@ -75,59 +68,55 @@ def available() -> list[str]:
 
 
 def get(name: str, **options: Any) -> Policy:
-    """Build the policy registered under `name` with `options`."""
+    """Build the policy registered under `name` with `options`, checked now (ValueError naming
+    the option and what it accepts). The common options (`COMMON_OPTIONS`) reach only the
+    policies that declare them; any other unknown option is a ValueError."""
+    if name == FULL:
+        raise _not_a_policy(name)
     try:
-        factory = _REGISTRY[name]
+        priority, declared, preset = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; registered policies: {', '.join(available())}") from None
-    return factory(**options)
+    return Policy(name, priority, resolve(name, declared, {**preset, **options}))
 
 
 def for_config(config: Any) -> Policy:
     """The policy a `VaSEConfig` asks for, built with its common options and `policy_options`."""
-    return get(
-        config.policy,
-        protect=config.n_protect,
-        sinks=config.sinks,
-        temperature=config.temperature,
-        smooth=config.smooth,
-        **dict(config.policy_options),
-    )
+    common = {"protect": config.n_protect, "sinks": config.sinks}
+    common.update(temperature=config.temperature, smooth=config.smooth)
+    repeated = sorted(set(common) & set(config.policy_options))
+    if repeated:
+        raise ValueError(f"policy_options may not set {', '.join(repeated)}: set the VaSEConfig field(s) instead")
+    return get(config.policy, **common, **dict(config.policy_options))
 
 
-def evicts(policy: Policy) -> bool:
-    """Whether a cache with `policy` ever evicts (False only for reference policies like `full`)."""
-    return bool(getattr(policy, "evicts", True))
-
-
-register("vase", from_dataclass(VaSEPolicy))
-register("vase-topk", from_dataclass(VaSEPolicy, sample=False))
-register("vase-l2", from_dataclass(VaSEPolicy, score="l2"))
-register("vase-var", from_dataclass(VaSEPolicy, score="var"))
-register("protect-random", from_dataclass(VaSEPolicy, protection="random"))
-register("evict-large", from_dataclass(VaSEPolicy, protection="evict-largest"))
-register("vase-dkv", from_dataclass(DKVPolicy, resample=True))
-register("cur", from_dataclass(DKVPolicy, resample=False))
-register("snapkv", from_dataclass(SnapKVPolicy))
-register("rkv", from_dataclass(RKVPolicy))
-register("streaming", from_dataclass(StreamingPolicy))
-register("random", from_dataclass(RandomPolicy))
-register("full", from_dataclass(FullPolicy))
+register("vase", vase)
+register("vase-topk", vase, sample=False)
+register("vase-l2", vase, score="l2")
+register("vase-var", vase, score="var")
+register("protect-random", vase, protection="random")
+register("evict-large", vase, protection="evict-largest")
+register("vase-dkv", dkv, resample=True)
+register("cur", dkv, resample=False)
+register("snapkv", snapkv)
+register("rkv", rkv)
+register("knorm", knorm)
+register("streaming", streaming)
+register("random", uniform)
 
 __all__ = [
     "COMMON_OPTIONS",
-    "DKVPolicy",
-    "FullPolicy",
+    "INPUTS",
     "Policy",
-    "RKVPolicy",
-    "RandomPolicy",
-    "SnapKVPolicy",
-    "StreamingPolicy",
-    "VaSEPolicy",
     "available",
-    "evicts",
+    "dkv",
     "for_config",
-    "from_dataclass",
     "get",
+    "knorm",
     "register",
+    "rkv",
+    "snapkv",
+    "streaming",
+    "uniform",
+    "vase",
 ]

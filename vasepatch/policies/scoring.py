@@ -113,12 +113,6 @@ def top_k_by_priority(priority: torch.Tensor, n_keep: int) -> torch.Tensor:
     return torch.topk(priority, n_keep, dim=-1, sorted=False).indices
 
 
-def compose_priority(protected: torch.Tensor, key: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """`+inf` for protected, `key` for other valid candidates, `-inf` for invalid ones."""
-    inf = torch.full_like(key, float("inf"))
-    return torch.where(protected & valid, inf, torch.where(valid, key, -inf))
-
-
 def sink_mask(positions: torch.Tensor, valid: torch.Tensor, sinks: int) -> torch.Tensor:
     """`[B, H, N]` bool: valid candidates at absolute positions `< sinks` (attention sinks)."""
     return valid & (positions < sinks)
