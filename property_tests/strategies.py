@@ -89,13 +89,15 @@ class CacheCase:
     seed: int
     sample: bool
     policy: str
+    prefill: str  # "compress" (default) or "keep"
+    chunk: int | None  # prefill chunk size (None: the whole prompt in one step); compress only
 
 
 def evicting_policies() -> list[str]:
-    """Every registered policy that evicts (all but reference policies such as `full`)."""
+    """Every registered policy (all of them evict: never evicting is the cache's `full` mode)."""
     from vasepatch import policies
 
-    return [n for n in policies.available() if policies.evicts(policies.get(n))]
+    return policies.available()
 
 
 @st.composite
@@ -105,7 +107,7 @@ def cache_cases(draw, max_budget: int = 24) -> CacheCase:
     sinks = draw(st.integers(0, min(4, budget - window)))
     protect = draw(st.integers(sinks, budget - window))
     batch = draw(st.integers(1, 3))
-    width = draw(st.integers(1, budget + 2 * window))
+    width = draw(st.integers(1, 2 * budget + 2 * window))  # up to twice the buffer
     prompt_lengths = [width] + [draw(st.integers(1, width)) for _ in range(batch - 1)]
     return CacheCase(
         batch=batch,
@@ -122,4 +124,6 @@ def cache_cases(draw, max_budget: int = 24) -> CacheCase:
         seed=draw(st.integers(0, 2**31 - 1)),
         sample=draw(st.booleans()),
         policy=draw(st.sampled_from(evicting_policies())),
+        prefill=(prefill := draw(st.sampled_from(["compress", "keep"]))),
+        chunk=None if prefill == "keep" else draw(st.none() | st.integers(1, width)),
     )

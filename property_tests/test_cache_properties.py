@@ -11,18 +11,18 @@ import torch
 from hypothesis import given
 
 from property_tests.strategies import CacheCase, cache_cases, make_values
+from tests.drive import step
 from vasepatch import policies
-from vasepatch.cache import VaSELayer
+from vasepatch.cache import VaSELayer, schedule
 from vasepatch.config import VaSEConfig
-from vasepatch.integration.kernels import grouped_attention
 
 
 @dataclass
 class Eviction:
-    before_positions: torch.Tensor  # [B, H, occ]
+    before_positions: torch.Tensor  # [B, H, n]: candidates, then the window
     before_valid: torch.Tensor
-    before_ranges: torch.Tensor
-    occupancy_before: int
+    before_ranges: torch.Tensor  # value ranges of the candidates (the window's are 0: never needed)
+    occupancy_before: int  # n: slots the eviction chose from
     after_positions: torch.Tensor  # [B, H, budget]
     after_valid: torch.Tensor
 
@@ -46,57 +46,96 @@ class Trace:
     max_occupancy: int
 
 
-def run(case: CacheCase, check=None, policy: str | None = None) -> Trace:
-    """Drive a `VaSELayer` as the attention integration does; `check(layer)` runs after every step.
+class SpyPolicy:
+    """Hands `select` through to a real policy and records the candidates it was shown."""
 
-    The policy is `policy`, else the case's (drawn among every evicting policy), so the
-    cache invariants are checked for every registered policy."""
-    name = policy or case.policy
-    extra = {"sample": case.sample} if name == "vase" else {}
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def select(self, keys, values, queries, positions, valid, n_keep, generator=None):
+        ranges = values.amax(-1) - values.amin(-1) if values.shape[2] else values.sum(-1)
+        self.calls.append((positions.clone(), valid.clone(), ranges))
+        return self.inner.select(keys, values, queries, positions, valid, n_keep, generator=generator)
+
+
+def _layer(case: CacheCase, name: str) -> tuple[VaSELayer, SpyPolicy]:
+    options = {"sample": case.sample} if name == "vase" else {}
     cfg = VaSEConfig(
-        budget=case.budget, window=case.window, protect=case.protect, sinks=case.sinks, seed=case.seed, policy=name
+        budget=case.budget,
+        window=case.window,
+        protect=case.protect,
+        sinks=case.sinks,
+        seed=case.seed,
+        policy=name,
+        prefill=case.prefill,
+        policy_options=options,
     )
-    layer = VaSELayer(cfg, policies.get(name, protect=cfg.n_protect, sinks=cfg.sinks, smooth=cfg.smooth, **extra))
+    spy = SpyPolicy(policies.for_config(cfg))
+    return VaSELayer(cfg, spy), spy
+
+
+def _steps(case: CacheCase, padding: torch.Tensor):
+    """(q_len, 2-D mask) of every step: the prompt (whole or in chunks), then one-token decode steps."""
+    width = padding.shape[1]
+    chunk = case.chunk or width
+    for start in range(0, width, chunk):
+        end = min(start + chunk, width)
+        yield end - start, padding[:, :end]
+    for step in range(case.decode_steps):
+        yield 1, torch.ones(case.batch, width + step + 1, dtype=torch.long)
+
+
+def _eviction(case: CacheCase, layer: VaSELayer, call, appended: list[list[int]]) -> Eviction:
+    """What the eviction chose from: the candidates the policy saw, then the window (the last
+    `window` slots appended, whatever came before: evictions keep the order of appends)."""
+    cand_pos, cand_valid, cand_ranges = call
+    b, h, w = case.batch, case.kv_heads, case.window
+    window = torch.tensor([row[-w:] for row in appended]).view(b, 1, w).expand(b, h, w)
+    bud = case.budget
+    return Eviction(
+        torch.cat([cand_pos, window], -1),
+        torch.cat([cand_valid, window >= 0], -1),
+        torch.cat([cand_ranges, torch.zeros(b, h, w)], -1),
+        cand_pos.shape[-1] + w,
+        layer.positions[:, :, :bud].clone(),
+        layer.valid[:, :, :bud].clone(),
+    )
+
+
+def run(case: CacheCase, check=None, policy: str | None = None) -> Trace:
+    """Drive a `VaSELayer` through the production step function (`tests.drive.step`, which is
+    `attention_step`); `check(layer, shadow)` runs after every step.
+
+    The policy is `policy`, else the case's (drawn among every registered policy), so the
+    cache invariants are checked for every policy."""
+    layer, spy = _layer(case, policy or case.policy)
     g = torch.Generator().manual_seed(case.seed)
     b, h, hq, d = case.batch, case.kv_heads, case.kv_heads * case.groups, case.head_dim
     width = max(case.prompt_lengths)
     padding = torch.zeros(b, width, dtype=torch.long)
     for row, n in enumerate(case.prompt_lengths):
         padding[row, width - n :] = 1
-    next_pos = [0] * b
+    next_pos, appended = [0] * b, [[] for _ in range(b)]
     shadow, evictions, outputs = {}, [], []
     pointers, stable, max_occ = None, True, 0
-
-    for step in range(case.decode_steps + 1):
-        q_len = width if step == 0 else 1
-        mask = padding if step == 0 else torch.ones(b, width + step, dtype=torch.long)
+    for q_len, mask in _steps(case, padding):
         k = torch.randn(b, h, q_len, d, generator=g)
         v = make_values((b, h, q_len, d), case.value_kind, g)
         q = torch.randn(b, hq, q_len, d, generator=g)
         first_position = list(next_pos)
         for row in range(b):
             for i in range(q_len):
-                if mask[row, -q_len + i]:
+                real = bool(mask[row, -q_len + i])
+                appended[row].append(next_pos[row] if real else -1)
+                if real:
                     shadow[(row, next_pos[row])] = (k[row, :, i].clone(), v[row, :, i].clone())
                     next_pos[row] += 1
-        layer.prepare_step(mask)
-        keys, values = layer.update(k, v)
-        out = grouped_attention(q, keys, values, layer.step_mask(), d**-0.5)
-        layer.observe_queries(q)
+        out, evicted = step(layer, k, v, q, mask)
         if not evictions:
             outputs.append(Step(out, q, mask[:, -q_len:].bool(), first_position))
-        occ = layer.counters.occupancy
-        max_occ = max(max_occ, occ)
-        before = (
-            layer.positions[:, :, :occ].clone(),
-            layer.valid[:, :, :occ].clone(),
-            (layer.values[:, :, :occ].amax(-1) - layer.values[:, :, :occ].amin(-1)),
-        )
-        if layer.maybe_evict():
-            bud = case.budget
-            evictions.append(
-                Eviction(*before, occ, layer.positions[:, :, :bud].clone(), layer.valid[:, :, :bud].clone())
-            )
+        if evicted:
+            evictions.append(_eviction(case, layer, spy.calls[-1], appended))
+        max_occ = max(max_occ, layer.counters.occupancy)
         ptrs = [t.data_ptr() for t in (layer.keys, layer.values, layer.positions, layer.valid)]
         stable &= pointers is None or ptrs == pointers
         pointers = ptrs
@@ -105,18 +144,8 @@ def run(case: CacheCase, check=None, policy: str | None = None) -> Trace:
     return Trace(case, layer, evictions, outputs, shadow, stable, max_occ)
 
 
-# policies that promise to keep the sinks (snapkv, rkv and random do not)
-SINK_KEEPERS = [
-    "vase",
-    "vase-topk",
-    "vase-l2",
-    "vase-var",
-    "protect-random",
-    "evict-large",
-    "vase-dkv",
-    "cur",
-    "streaming",
-]
+# a policy with a `sinks` option promises to keep the sinks (snapkv, rkv and random have none)
+SINK_KEEPERS = [name for name in policies.available() if "sinks" in policies.get(name).options]
 
 
 @pytest.mark.parametrize("name", SINK_KEEPERS)
@@ -201,7 +230,10 @@ def test_kept_slots_are_bit_identical_to_what_was_appended(case):
 def test_occupancy_within_capacity_and_buffers_never_reallocated(case):
     trace = run(case)
     assert trace.pointers_stable
-    assert trace.max_occupancy <= trace.layer.capacity == max(max(case.prompt_lengths), case.budget) + case.window
+    want = schedule.capacity(case.budget, case.window, max(case.prompt_lengths), case.prefill)
+    assert trace.max_occupancy <= trace.layer.capacity == want
+    if case.prefill == "compress":
+        assert trace.layer.capacity == case.budget + case.window  # fixed by the budget, whatever the prompt
 
 
 @given(case=cache_cases())

@@ -32,14 +32,16 @@ def test_capacity_and_storage_never_change_and_schedule_matches_spec():
     b, hkv, hq, d, prompt = 2, 2, 4, 8, 10
     step(layer, _rand(b, hkv, prompt, d, g), _rand(b, hkv, prompt, d, g), _rand(b, hq, prompt, d, g))
     assert layer.capacity == max(prompt, 16) + 4
-    ptrs = [t.data_ptr() for t in (layer.keys, layer.values, layer.positions, layer.valid, layer.queries)]
+    ptrs = [t.data_ptr() for t in (layer.keys, layer.values, layer.positions, layer.valid, layer.ring.queries)]
     evict_steps, occupancy = [], []
     for i in range(60):
         _, evicted = step(layer, _rand(b, hkv, 1, d, g), _rand(b, hkv, 1, d, g), _rand(b, hq, 1, d, g))
         occupancy.append(layer.counters.occupancy)
         if evicted:
             evict_steps.append(i)
-        assert [t.data_ptr() for t in (layer.keys, layer.values, layer.positions, layer.valid, layer.queries)] == ptrs
+        assert [
+            t.data_ptr() for t in (layer.keys, layer.values, layer.positions, layer.valid, layer.ring.queries)
+        ] == ptrs
         assert layer.counters.occupancy <= layer.capacity
     # occupancy 10 + i + 1 reaches 20 = budget + window at decode step 9, then every 4 steps
     assert evict_steps == list(range(9, 60, 4))
@@ -50,8 +52,8 @@ def test_capacity_and_storage_never_change_and_schedule_matches_spec():
     assert torch.equal(newest, torch.full_like(newest, prompt + 59))
 
 
-def test_long_prompt_is_kept_whole_then_evicted_to_budget():
-    layer = _layer(budget=16, window=4)
+def test_long_prompt_is_kept_whole_with_prefill_keep_then_evicted_to_budget():
+    layer = _layer(budget=16, window=4, prefill="keep")
     g = torch.Generator().manual_seed(1)
     prompt = 37
     step(layer, _rand(1, 1, prompt, 8, g), _rand(1, 1, prompt, 8, g), _rand(1, 2, prompt, 8, g))
@@ -84,20 +86,10 @@ def test_padding_is_never_attended_by_real_queries():
     layer = _layer(budget=32, window=4)
     _, mask = ragged_batch(VOCAB, lengths=(5, 2))
     k = torch.randn(2, 1, 5, 8)
-    layer.prepare_step(mask)
-    layer.update(k, k)
-    m = layer.step_mask()[1, 0]  # row with 3 padding slots
+    m = layer.append(k, k, mask).mask()[1, 0]  # row with 3 padding slots
     assert not m[3:, :3].any()  # real queries never see padding
     assert m[3:, 3:5].tolist() == [[True, False], [True, True]]  # causal among real tokens
     assert m[:3, :3].equal(torch.eye(3, dtype=torch.bool))  # padding queries see only themselves
-
-
-def test_overflow_is_a_clear_error():
-    layer = _layer(budget=8, window=2, sinks=2)
-    k = torch.randn(1, 1, 4, 8)
-    layer.update(k, k)
-    with pytest.raises(RuntimeError, match="capacity"):
-        layer.update(torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8))
 
 
 class _HostSyncError(AssertionError):
@@ -197,11 +189,20 @@ def test_cache_stats_and_reset():
     cfg = VaSEConfig(budget=16, window=4)
     cache = VaSECache(cfg, policies.get("vase", protect=4), num_layers=2)
     k = torch.randn(1, 1, 5, 8)
-    for layer_idx in range(2):
-        cache.update(k, k, layer_idx)
+    for layer in cache.layers:
+        step(layer, k, k, k)
     assert cache.get_seq_length() == 5
     assert cache.stats()["occupancy"] == 5 and cache.stats()["layers"] == 2
     cache.reset()
-    assert cache.get_seq_length() == 0
+    assert cache.get_seq_length() == 0 and cache.stats()["occupancy"] == 0
+    assert not cache.layers[0].valid.any() and int(cache.layers[0].next_position[0]) == 0
     with pytest.raises(NotImplementedError):
         cache.crop(1)
+
+
+def test_a_cache_used_outside_a_patched_attention_module_is_an_error():
+    """A model whose attention is not vasepatch's would attend to the new tokens only."""
+    cache = VaSECache(VaSEConfig(budget=16, window=4), policies.get("vase", protect=4), num_layers=1)
+    k = torch.randn(1, 1, 5, 8)
+    with pytest.raises(RuntimeError, match="not patched"):
+        cache.update(k, k, 0)

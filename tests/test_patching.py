@@ -240,7 +240,8 @@ def test_new_cache_with_another_config(make_model):
     model = make_model("llama")
     with vasepatch.patched(model, budget=32, window=8) as handle:
         other = handle.new_cache(vasepatch.VaSEConfig(budget=16, window=4, policy="snapkv"))
-        assert isinstance(other.layers[0].policy, vasepatch.policies.SnapKVPolicy)
+        assert other.layers[0].policy.name == "snapkv" and other.layers[0].config.policy == "snapkv"
+        assert handle.new_cache(vasepatch.VaSEConfig(budget=16, window=4, policy="full")).layers[0].policy is None
         assert other.layers[0].config.budget == 16
         assert handle.stats()["generations"] == 0  # caches of other configs are not tracked
         with pytest.raises(ValueError, match="VaSEConfig"):

@@ -1,4 +1,9 @@
-"""`VaSEConfig`: every setting of a patch, validated before anything is touched."""
+"""`VaSEConfig`: every setting of a patch, validated before anything is touched.
+
+A leaf module: it imports nothing from vasepatch. Names that live elsewhere (the
+policy registry, the attention backends) are checked where they live, by `patch`,
+before the model is touched.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,9 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+FULL = "full"  # the never-evicting reference: a mode of the cache, not a policy
+PREFILL_MODES = ("compress", "keep")
 
 
 def _is_int(value: object) -> bool:
@@ -23,7 +31,9 @@ class VaSEConfig:
         protect: slots reserved for sinks and the largest-range value vectors;
             `None` means `budget // 4` (the paper's setting).
         sinks: tokens at absolute positions `< sinks` that are always kept.
-        policy: name of a registered selection policy (`vasepatch.policies.available()`).
+        policy: name of a registered selection policy (`vasepatch.policies.available()`), or
+            `"full"`: never evict (the uncompressed reference; its buffer grows with the
+            sequence like a `DynamicCache`, so `budget` only sizes its first allocation).
         temperature: softmax temperature of the attention scores (> 0).
         smooth: width of the 1-D average pool applied to attention scores (1 = off).
         seed: seeds the sampling generator of each generation; `None` uses torch's
@@ -33,6 +43,12 @@ class VaSEConfig:
             varlen kernels, CUDA, fp16/bf16), `"sdpa"`, `"eager"`, or `None`/`"auto"`: the
             first of these the model's device and dtype allow (`"eager"` for a model loaded
             with `attn_implementation="eager"`). Checked against the model at `patch` time.
+        prefill: what happens to a prompt longer than `budget`. `"compress"` (default): the
+            buffer has exactly `budget + window` slots per row and KV head whatever the prompt;
+            the prefill attends to the whole prompt, then keeps its last `window` tokens plus
+            `budget - window` older ones chosen by the policy (scored by the last `window`
+            prompt queries). `"keep"`: the whole prompt is kept and the buffer has
+            `max(prompt, budget) + window` slots (the paper's setting).
     """
 
     budget: int
@@ -45,6 +61,7 @@ class VaSEConfig:
     seed: int | None = None
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     attn_backend: str | None = None
+    prefill: str = "compress"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -53,6 +70,11 @@ class VaSEConfig:
     def n_protect(self) -> int:
         """Protected slots per eviction (`protect`, or `budget // 4` when unset)."""
         return self.budget // 4 if self.protect is None else self.protect
+
+    @property
+    def evicts(self) -> bool:
+        """False for the never-evicting `"full"` reference mode."""
+        return self.policy != FULL
 
     def replace(self, **changes: Any) -> VaSEConfig:
         """A copy with some fields changed (validated again)."""
@@ -91,17 +113,9 @@ class VaSEConfig:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if not isinstance(self.policy, str):
             raise ValueError(f"policy must be a registered policy name, got {self.policy!r}")
-        from vasepatch import policies  # local import: the registry imports nothing from here
-
-        if self.policy not in policies.available():
-            raise ValueError(
-                f"policy {self.policy!r} is not registered; registered policies: {', '.join(policies.available())}"
-            )
-        from vasepatch.integration.backends import BACKENDS
-
-        if self.attn_backend is not None and self.attn_backend not in ("auto", *BACKENDS):
-            raise ValueError(
-                f"attn_backend must be None, 'auto' or one of {', '.join(BACKENDS)}; got {self.attn_backend!r}"
-            )
+        if self.attn_backend is not None and not isinstance(self.attn_backend, str):
+            raise ValueError(f"attn_backend must be None or a backend name, got {self.attn_backend!r}")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {', '.join(map(repr, PREFILL_MODES))}; got {self.prefill!r}")
         if not isinstance(self.policy_options, Mapping):
             raise ValueError(f"policy_options must be a mapping, got {type(self.policy_options).__name__}")

@@ -16,6 +16,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from vasepatch.cache import Step, VaSELayer
 from vasepatch.integration import backends
 from vasepatch.integration.kernels import causal_padding_mask, grouped_attention
 
@@ -42,36 +43,63 @@ def vasepatch_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over the static buffer of a `VaSELayer`, then its eviction step.
-
-    With a varlen backend (`flash_attn`, `torch_varlen`), decode steps attend to each
-    row's contiguous range of slots and the eager prefill runs on the unpadded
-    prompt; other steps (and every step of the `sdpa`/`eager` backends) use the
-    masked grouped kernel.
-    """
+    """The registered kernel: `attention_step` over the module's `VaSELayer` when the
+    call carries a vasepatch cache, else masked attention over the given K/V."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     backend = getattr(module.config, BACKEND_ATTR, "sdpa")
-    kernel = "eager" if backend == "eager" else "sdpa"
     layer = kwargs.get(LAYER_KWARG)
     if layer is not None:
-        q_len = query.shape[-2]
-        if backend in backends.VARLEN_BACKENDS and q_len == 1:
-            out = backends.decode_attention(backend, query, key, value, layer.attend_start(), layer.fill, scaling)
-        elif backend in backends.VARLEN_BACKENDS and not torch.compiler.is_compiling() and layer.prefilling:
-            padding = layer.valid[:, 0, :q_len]  # the prompt sits in slots [0, q_len)
-            out = backends.prefill_attention(backend, query, key[:, :, :q_len], value[:, :, :q_len], padding, scaling)
-        else:
-            n = layer.attended_slots()
-            mask = layer.step_mask(n, q_len)
-            out = grouped_attention(query, key[:, :, :n], value[:, :, :n], mask, scaling, kernel)
-        layer.observe_queries(query)
-        layer.end_step()
-        return out, None
+        return attention_step(layer, query, key, value, attention_mask, scaling, backend)[0], None
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("vasepatch expects a 2-D padding mask; got a prepared 4-D mask")
     mask = causal_padding_mask(attention_mask, query.shape[-2], key.shape[-2], query.device)
-    return grouped_attention(query, key, value, mask, scaling, kernel, dropout), None
+    return grouped_attention(query, key, value, mask, scaling, _kernel(backend), dropout), None
+
+
+def attention_step(
+    layer: VaSELayer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    padding: torch.Tensor | None,
+    scaling: float,
+    backend: str = "sdpa",
+) -> tuple[torch.Tensor, bool]:
+    """One attention step of one layer, the whole data path: append the step's K/V,
+    attend, record the queries, evict if due. Returns the output `[B, Q, Hq, D]` and
+    whether the step ended with an eviction (always False under compilation, where the
+    eviction runs after the graph, in `VaSECache.complete_step`).
+
+    `query` `[B, Hq, Q, D]`, `key`/`value` `[B, Hkv, Q, D]` (after RoPE), `padding` the
+    2-D mask (`[B, >= Q]`, 1 = real token) or None."""
+    step = layer.append(key, value, padding)
+    out = attend(backend, query, key, value, step, scaling)
+    layer.record_queries(query, step)
+    evicted = layer.evict_if_due(step)
+    return out, evicted
+
+
+def attend(
+    backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, step: Step, scaling: float
+) -> torch.Tensor:
+    """Attention of a step's queries over what `step` holds, with `backend`.
+
+    Varlen backends (`flash_attn`, `torch_varlen`): a decode step attends to each row's
+    contiguous range of slots, and the first step (the prompt, eagerly) runs causal
+    attention on the unpadded new tokens. Everything else uses the masked grouped kernel
+    over the step's first `length` slots."""
+    if backend in backends.VARLEN_BACKENDS:
+        if step.q_len == 1:
+            return backends.decode_attention(backend, query, step.keys, step.values, step.start(), step.end, scaling)
+        if step.first:
+            return backends.prefill_attention(backend, query, key, value, step.new_valid, scaling)
+    n = step.length
+    return grouped_attention(query, step.keys[:, :, :n], step.values[:, :, :n], step.mask(), scaling, _kernel(backend))
+
+
+def _kernel(backend: str) -> str:
+    return "eager" if backend == "eager" else "sdpa"
 
 
 def register() -> None:

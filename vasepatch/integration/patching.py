@@ -48,7 +48,7 @@ class PatchHandle:
         self,
         model: torch.nn.Module,
         config: VaSEConfig,
-        policy: policies.Policy,
+        policy: policies.Policy | None,
         layout: ModelLayout,
         attn_backend: str = "sdpa",
     ):
@@ -76,7 +76,7 @@ class PatchHandle:
             return VaSECache(self.config, self.policy, n_layers, self.monitor)
         if not isinstance(config, VaSEConfig):
             raise ValueError(f"config must be a vasepatch.VaSEConfig, got {type(config).__name__}")
-        return VaSECache(config, policies.for_config(config), n_layers)
+        return VaSECache(config, policy_for(config), n_layers)
 
     def stats(self) -> dict[str, int]:
         """Counters of the most recent generation.
@@ -146,11 +146,17 @@ def _wrap_attention(module: torch.nn.Module, original: Callable[..., Any]) -> Ca
             bound = signature.bind_partial(*args, **kwargs)
             args, kwargs = (), {**bound.arguments.pop("kwargs", {}), **bound.arguments}
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if isinstance(cache, VaSECache):
-            layer = cache.layers[module.layer_idx]
-            layer.prepare_step(kwargs.get("attention_mask"))
-            kwargs[attention.LAYER_KWARG] = layer
-        return original(*args, **kwargs)
+        if not isinstance(cache, VaSECache):
+            return original(*args, **kwargs)
+        layer = cache.layers[module.layer_idx]
+        kwargs[attention.LAYER_KWARG] = layer
+        if torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        layer.in_step = True  # lets the layer's `update` tell a patched call from a stray one
+        try:
+            return original(*args, **kwargs)
+        finally:
+            layer.in_step = False
 
     return forward
 
@@ -183,14 +189,17 @@ def patch(
     smooth: int = 5,
     seed: int | None = None,
     attn_backend: str | None = None,
+    prefill: str = "compress",
     config: VaSEConfig | None = None,
 ) -> PatchHandle:
     """Give `model` a fixed-size KV cache with VaSE eviction; returns a `PatchHandle`.
 
     After this, a plain `model.generate(...)` keeps at most `budget` KV pairs per
     layer and head after each eviction (evicting once every `window` decode
-    steps). Everything is validated before the model is touched; on any error the
-    model is left exactly as it was. See `VaSEConfig` for the settings.
+    steps), in buffers of `budget + window` slots per layer, row and KV head
+    whatever the prompt (`prefill="keep"`: `max(prompt, budget) + window`).
+    Everything is validated before the model is touched; on any error the model is
+    left exactly as it was. See `VaSEConfig` for the settings.
     """
     check_transformers()
     layout = inspect_model(model)
@@ -207,8 +216,9 @@ def patch(
         smooth=smooth,
         seed=seed,
         attn_backend=attn_backend,
+        prefill=prefill,
     )
-    chosen = policies.for_config(cfg)
+    chosen = policy_for(cfg)
     backend = _choose_backend(model, cfg)
     attention.register()
 
@@ -222,6 +232,12 @@ def patch(
             restore()
         raise
     return handle
+
+
+def policy_for(config: VaSEConfig) -> policies.Policy | None:
+    """The policy a config asks for (ValueError naming an unknown one), or None for the
+    never-evicting `"full"` mode."""
+    return policies.for_config(config) if config.evicts else None
 
 
 def _choose_backend(model: torch.nn.Module, config: VaSEConfig) -> str:

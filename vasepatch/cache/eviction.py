@@ -1,0 +1,43 @@
+"""Which slots an eviction keeps, and in what order (a pure function of tensors)."""
+
+from __future__ import annotations
+
+import torch
+
+from vasepatch.policies.base import Policy
+
+
+def kept_slots(
+    policy: Policy,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    queries: torch.Tensor,
+    n: int,
+    budget: int,
+    window: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """`[B, Hkv, budget]` indices into the first `n` slots: `budget - window` of the older
+    `n - window` chosen by `policy` from the `queries` `[B, Hq, W, D]`, then the last
+    `window` (always kept).
+
+    Order: kept padding first, then real tokens in slot (= sequence) order, then the
+    window, so that once gathered to the front each row's attendable slots form one
+    contiguous range ending at the fill pointer.
+    """
+    n_cand = n - window
+    idx = policy.select(
+        keys[:, :, :n_cand],
+        values[:, :, :n_cand],
+        queries,
+        positions[:, :, :n_cand],
+        valid[:, :, :n_cand],
+        budget - window,
+        generator=generator,
+    )
+    kept_valid = valid[:, :, :n_cand].gather(-1, idx)
+    idx = idx.gather(-1, torch.argsort(idx + n_cand * kept_valid.long(), dim=-1))
+    recent = torch.arange(n_cand, n, device=idx.device).expand(*idx.shape[:2], window)
+    return torch.cat([idx, recent], dim=-1)

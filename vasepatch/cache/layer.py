@@ -1,0 +1,280 @@
+"""`VaSELayer`: the static K/V buffers of one decoder layer, and its step API.
+
+Per row `b` and KV head `h`, slot `s` holds `keys[b, h, s]`, `values[b, h, s]`,
+the token's absolute position `positions[b, h, s]` (-1 for padding) and whether
+it is a real token `valid[b, h, s]`. The buffers are allocated once, at the first
+step, with `budget + window` slots (`prefill="keep"`: `max(prompt, budget) +
+window`), and never move. Appends write at a fill pointer; an eviction gathers
+the kept slots to the front in place.
+
+Layout invariant: in every row and KV head the attendable slots form one
+contiguous range `[fill - n_valid, fill)` (left padding first, then real tokens
+in sequence order), which is what varlen attention kernels need.
+
+The attention integration drives one step as `append` -> attend over the
+returned `Step` -> `record_queries` -> `evict_if_due`. Under `torch.compile` the
+step touches only tensors (the fill pointer and sequence length are 0-d device
+tensors); its host bookkeeping (counters, eviction) runs in `complete_step`,
+eagerly, after the compiled forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from vasepatch.cache import eviction, schedule
+from vasepatch.cache.counters import LayerCounters, SeededGenerator
+from vasepatch.cache.query_ring import QueryRing
+from vasepatch.cache.static import mark_static
+from vasepatch.cache.step import Step
+from vasepatch.config import VaSEConfig
+from vasepatch.policies.base import Policy
+
+
+class VaSELayer(CacheLayerMixin):
+    """Static KV buffers of one decoder layer with VaSE eviction (`policy=None`: never evict)."""
+
+    is_compileable = True
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(
+        self,
+        config: VaSEConfig,
+        policy: Policy | None,
+        rng: SeededGenerator | None = None,
+        counters: LayerCounters | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.policy = policy
+        self.rng = rng if rng is not None else SeededGenerator(config.seed)
+        self.counters = counters if counters is not None else LayerCounters()
+        self.ring = QueryRing(config.window)
+        self.in_step = False  # set by the attention integration around a patched module's forward
+        self._pending = 0  # tokens appended by compiled steps whose host bookkeeping is due
+
+    # --- allocation -------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        cfg = self.config
+        b, h, q_len, _ = key_states.shape
+        self.device = key_states.device
+        self.batch_size, self.num_heads = b, h
+        self.next_position = torch.zeros((b,), dtype=torch.long, device=self.device)
+        self.fill = torch.zeros((), dtype=torch.long, device=self.device)  # next free slot
+        self.seen = torch.zeros((), dtype=torch.long, device=self.device)  # tokens appended (= tokens_seen)
+        self._allocate(key_states, value_states, schedule.capacity(cfg.budget, cfg.window, q_len, cfg.prefill))
+        self.is_initialized = True
+        mark_static(self.next_position, self.fill, self.seen)
+
+    def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        """(Re)allocate the buffers with `capacity` slots, keeping the occupied ones."""
+        b, h, dev = self.batch_size, self.num_heads, self.device
+        keys = key_states.new_zeros((b, h, capacity, key_states.shape[-1]))
+        values = value_states.new_zeros((b, h, capacity, value_states.shape[-1]))
+        positions = torch.full((b, h, capacity), -1, dtype=torch.long, device=dev)
+        valid = torch.zeros((b, h, capacity), dtype=torch.bool, device=dev)
+        if self.is_initialized:  # growing (never-evicting mode only): carry the occupied slots over
+            occ = self.counters.occupancy
+            for new, old in ((keys, self.keys), (values, self.values), (positions, self.positions)):
+                new[:, :, :occ] = old[:, :, :occ]
+            valid[:, :, :occ] = self.valid[:, :, :occ]
+        self.keys, self.values, self.positions, self.valid = keys, values, positions, valid
+        self.slot_index = torch.arange(capacity, device=dev)
+        self.capacity = self.counters.capacity = capacity
+        self.counters.kv_bytes = keys.nbytes + values.nbytes
+        mark_static(keys, values, positions, valid, self.slot_index)
+
+    # --- the step API -----------------------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a model's attention module calls: hand the new K/V through untouched.
+
+        The vasepatch attention kernel appends them itself (`append`), attends, and
+        evicts; outside a patched module's forward this is an error, since the
+        module's own kernel would attend to the new tokens only."""
+        if not torch.compiler.is_compiling() and not self.in_step:
+            raise RuntimeError(
+                "a vasepatch cache was used by a model that is not patched (or not through its attention "
+                "modules); pass VaSECache objects only to the model they came from, while it is patched"
+            )
+        return key_states, value_states
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, padding: torch.Tensor | None) -> Step:
+        """Add a step's `Q` new tokens (keys after RoPE, `[B, Hkv, Q, D]`); `padding` is the
+        2-D mask (`[B, >= Q]`, last `Q` columns for these tokens; 1 = real) or None.
+        Returns what the step's queries attend over."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q_len = key_states.shape[-2]
+        new_valid = self._new_valid(padding, q_len)
+        counts = new_valid.long().cumsum(-1) if q_len > 1 else new_valid.long()
+        new_pos = (self.next_position.unsqueeze(-1) + counts - 1).masked_fill_(~new_valid, -1)
+        self.next_position += counts[:, -1]
+        self.seen += q_len
+        if torch.compiler.is_compiling():  # static shapes: no host counter is read
+            return self._write(key_states, value_states, new_pos, new_valid, self.capacity, False)
+        occ, first = self.counters.occupancy, self.counters.tokens_seen == 0
+        if not schedule.fits(self.capacity, occ, q_len):
+            if self.policy is not None:
+                return self._overflow(key_states, value_states, new_pos, new_valid, first)
+            self._allocate(key_states, value_states, max(2 * self.capacity, occ + q_len + self.config.window))
+        return self._write(key_states, value_states, new_pos, new_valid, occ + q_len, first)
+
+    def _new_valid(self, padding: torch.Tensor | None, q_len: int) -> torch.Tensor:
+        if padding is None:
+            return torch.ones((self.batch_size, q_len), dtype=torch.bool, device=self.device)
+        if padding.dim() != 2:
+            raise ValueError(
+                "vasepatch needs a 2-D attention mask ([batch, sequence], 1 = real token, 0 = padding); "
+                f"got a {padding.dim()}-D mask of shape {tuple(padding.shape)}"
+            )
+        if padding.shape[-1] < q_len:
+            raise ValueError(f"attention mask has {padding.shape[-1]} columns, fewer than the {q_len} new tokens")
+        return padding[:, -q_len:].to(device=self.device, dtype=torch.bool)
+
+    def _write(self, k, v, new_pos, new_valid, length: int, first: bool) -> Step:
+        """Write the step's tokens at the fill pointer (device-side offset: no host sync)."""
+        slots = self.fill + self.slot_index[: k.shape[-2]]
+        h = self.num_heads
+        self.keys.index_copy_(2, slots, k)
+        self.values.index_copy_(2, slots, v)
+        self.positions.index_copy_(2, slots, new_pos.unsqueeze(1).expand(-1, h, -1))
+        self.valid.index_copy_(2, slots, new_valid.unsqueeze(1).expand(-1, h, -1))
+        self.fill += k.shape[-2]
+        return Step(
+            self.keys, self.values, self.positions, self.valid, length, slots, new_valid, self.fill, first, False
+        )
+
+    def _overflow(self, k, v, new_pos, new_valid, first: bool) -> Step:
+        """A step longer than the free slots (a long prompt, a prefill chunk): attend over the
+        occupied slots followed by the new tokens, held in temporaries until the step's
+        eviction writes the kept ones into the buffer."""
+        if self.config.prefill == schedule.KEEP and not first:
+            raise RuntimeError(
+                f"vasepatch cache overflow: {self.counters.occupancy} slots in use + {k.shape[-2]} new tokens > "
+                f"capacity {self.capacity}. With prefill='keep' the buffer is sized by the first step; feed later "
+                "tokens at most tokens_until_eviction() at a time (generate() does), or use prefill='compress', "
+                "which compresses any step that does not fit (e.g. prefill_chunk_size chunks)"
+            )
+        occ, q_len, h = self.counters.occupancy, k.shape[-2], self.num_heads
+        pos = new_pos.unsqueeze(1).expand(-1, h, -1)
+        val = new_valid.unsqueeze(1).expand(-1, h, -1)
+        if occ:
+            k, v = torch.cat([self.keys[:, :, :occ], k], 2), torch.cat([self.values[:, :, :occ], v], 2)
+            pos, val = torch.cat([self.positions[:, :, :occ], pos], 2), torch.cat([self.valid[:, :, :occ], val], 2)
+        slots = torch.arange(occ, occ + q_len, device=self.device)
+        end = torch.full((), occ + q_len, dtype=torch.long, device=self.device)
+        return Step(k, v, pos, val, occ + q_len, slots, new_valid, end, first, True)
+
+    def record_queries(self, query: torch.Tensor, step: Step) -> None:
+        """Keep the queries (after RoPE, `[B, Hq, Q, D]`) of the last `window` tokens."""
+        if self.policy is not None:
+            self.ring.write(query, step.new_valid)
+
+    def evict_if_due(self, step: Step) -> bool:
+        """End of a step: advance the host counters and evict if the schedule says so.
+        Under compilation both wait for `complete_step`, after the graph."""
+        if torch.compiler.is_compiling():
+            self._pending += step.q_len
+            return False
+        return self._settle(step.q_len, step if step.overflow else None)
+
+    def complete_step(self) -> bool:
+        """Host-side bookkeeping of compiled steps, run eagerly after the forward (a no-op
+        after an eager step). Returns whether it evicted."""
+        q_len, self._pending = self._pending, 0
+        return self._settle(q_len, None) if q_len else False
+
+    def _settle(self, q_len: int, overflow: Step | None) -> bool:
+        c, cfg = self.counters, self.config
+        first = c.tokens_seen == 0
+        c.tokens_seen += q_len
+        if overflow is not None:
+            self._compact(overflow.keys, overflow.values, overflow.positions, overflow.valid, overflow.length)
+            return True
+        c.occupancy += q_len
+        due = self.policy is not None and schedule.evict_now(
+            cfg.budget, cfg.window, self.capacity, c.occupancy, first_step=first, prefill=cfg.prefill
+        )
+        if due:
+            self._compact(self.keys, self.values, self.positions, self.valid, c.occupancy)
+        return due
+
+    def tokens_until_eviction(self) -> int:
+        """How many tokens can be appended before the next eviction, counting the token whose
+        step evicts (see `schedule.tokens_until_eviction`); `schedule.NEVER` if it never evicts."""
+        if not self.is_initialized:
+            raise RuntimeError("the cache has not seen its prefill yet")
+        if self.policy is None:
+            return schedule.NEVER
+        cfg = self.config
+        return schedule.tokens_until_eviction(cfg.budget, cfg.window, self.capacity, self.counters.occupancy)
+
+    # --- eviction ---------------------------------------------------------------------------
+    def _compact(self, keys, values, positions, valid, n: int) -> None:
+        """Keep `budget` of the first `n` slots of (keys, values, positions, valid), chosen by
+        `eviction.kept_slots`, gathered to the front of the buffer."""
+        cfg, b = self.config, self.config.budget
+        queries, generator = self.ring.read(), self.rng.get(self.device)
+        kept = eviction.kept_slots(self.policy, keys, values, positions, valid, queries, n, b, cfg.window, generator)
+        self.keys[:, :, :b] = keys.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+        self.values[:, :, :b] = values.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]))
+        self.positions[:, :, :b] = positions.gather(2, kept)
+        self.valid[:, :, :b] = valid.gather(2, kept)
+        self.valid[:, :, b:n] = False
+        self.positions[:, :, b:n] = -1
+        self.fill.fill_(b)
+        c = self.counters
+        c.occupancy, c.evictions, c.evicted = b, c.evictions + 1, c.evicted + n - b
+
+    # --- CacheLayerMixin API ----------------------------------------------------------------
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Tokens appended so far (padding included). Under compilation a 0-d device
+        tensor, so that reading it neither syncs nor specialises the graph."""
+        if torch.compiler.is_compiling() and self.is_initialized:
+            return self.seen
+        return self.counters.tokens_seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Only vasepatch's mask function sees these, and ignores them. Under compilation report the
+        # static buffer, not the growing length, which would specialise the graph on every step.
+        if torch.compiler.is_compiling() and self.is_initialized:
+            return self.capacity + query_length, 0
+        return self.counters.tokens_seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1  # the sequence length is unbounded; the buffer is not
+
+    def get_max_cache_shape(self) -> int:  # what older 5.x releases call `get_max_length`
+        return self.get_max_length()
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.valid.zero_()
+            self.positions.fill_(-1)
+            for t in (self.next_position, self.fill, self.seen):
+                t.zero_()
+        self.ring.reset()
+        self.counters.occupancy = self.counters.tokens_seen = 0
+        self._pending = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: permute rows in place (storage unchanged)."""
+        if not self.is_initialized:
+            return
+        beam_idx = beam_idx.to(self.device)
+        for t in (self.keys, self.values, self.positions, self.valid, self.next_position):
+            t.copy_(t.index_select(0, beam_idx))
+        self.ring.reorder(beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("vasepatch caches cannot be cropped (evicted tokens are gone)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("vasepatch caches have a fixed batch size; expand inputs before the prefill")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("vasepatch caches have a fixed batch size")

@@ -1,0 +1,61 @@
+"""The queries of the last `window` tokens, kept in a ring: what scores the eviction candidates."""
+
+from __future__ import annotations
+
+import torch
+
+from vasepatch.cache.static import mark_static
+
+
+class QueryRing:
+    """`[B, Hq, window, D]` queries (after RoPE) and `[B, window]` validity.
+
+    Allocated at the first write; the write position is a 0-d device tensor, so a
+    compiled step writes the ring without host syncs or recompiles. Padding
+    queries are kept but zeroed when read (a zero query spreads its attention
+    uniformly, so it favours no candidate).
+    """
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.queries: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.pointer: torch.Tensor | None = None
+        self.slot_index: torch.Tensor | None = None
+
+    def _allocate(self, query: torch.Tensor) -> None:
+        b, hq, _, d = query.shape
+        dev, w = query.device, self.window
+        self.queries = torch.zeros((b, hq, w, d), dtype=query.dtype, device=dev)
+        self.valid = torch.zeros((b, w), dtype=torch.bool, device=dev)
+        self.pointer = torch.zeros((), dtype=torch.long, device=dev)
+        self.slot_index = torch.arange(w, device=dev)
+        mark_static(self.queries, self.valid, self.pointer, self.slot_index)
+
+    def write(self, query: torch.Tensor, valid: torch.Tensor) -> None:
+        """Keep the last `min(Q, window)` of a step's queries `[B, Hq, Q, D]`;
+        `valid` `[B, Q]` marks the real (non-padding) ones."""
+        if self.queries is None:
+            self._allocate(query)
+        q_len = query.shape[-2]
+        m = min(q_len, self.window)
+        slots = (self.pointer + self.slot_index[:m]) % self.window
+        self.queries.index_copy_(2, slots, query.narrow(2, q_len - m, m))
+        self.valid.index_copy_(1, slots, valid.narrow(1, q_len - m, m))
+        self.pointer.add_(m).remainder_(self.window)
+
+    def read(self) -> torch.Tensor:
+        """`[B, Hq, window, D]`, padding and never-written queries zeroed."""
+        return self.queries * self.valid[:, None, :, None]
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: permute rows in place."""
+        if self.queries is not None:
+            for t in (self.queries, self.valid):
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def reset(self) -> None:
+        if self.queries is not None:
+            self.queries.zero_()
+            self.valid.zero_()
+            self.pointer.zero_()

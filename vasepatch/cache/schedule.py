@@ -1,0 +1,55 @@
+"""When a layer evicts: pure functions of host-side ints.
+
+No tensors and no device syncs: the number of tokens each step appends is known
+from input shapes, so every decision here is made on the host, before or after
+the step's kernels run, and never depends on data.
+
+Terms (per row and KV head): `budget` slots survive an eviction; the last
+`window` tokens are always kept and their queries score the others; `capacity`
+is the number of slots allocated; `occupancy` the number in use.
+"""
+
+from __future__ import annotations
+
+import sys
+
+KEEP = "keep"  # prefill mode: the whole prompt stays in the buffer (the paper's setting)
+NEVER = sys.maxsize  # tokens until the next eviction of a cache that never evicts
+
+
+def capacity(budget: int, window: int, prompt_len: int, prefill: str) -> int:
+    """Slots to allocate at the first step: `budget + window`, or with `prefill="keep"`
+    room for the whole prompt plus one window: `max(prompt_len, budget) + window`."""
+    if prefill == KEEP:
+        return max(prompt_len, budget) + window
+    return budget + window
+
+
+def fits(capacity: int, occupancy: int, q_len: int) -> bool:
+    """Whether a step of `q_len` tokens can be written into the buffer as it is."""
+    return occupancy + q_len <= capacity
+
+
+def evict_now(budget: int, window: int, capacity: int, occupancy: int, *, first_step: bool, prefill: str) -> bool:
+    """Whether the step that just brought the layer to `occupancy` ends with an eviction.
+
+    - Never at or under the budget.
+    - After the first step (the prompt): with `prefill="compress"` a prompt over the
+      budget is brought down to it at once; with `"keep"` it stays whole.
+    - Otherwise once every `window` tokens past the budget, and whenever the buffer is full.
+    """
+    over = occupancy - budget
+    if over <= 0:
+        return False
+    if first_step:
+        return prefill != KEEP
+    return over % window == 0 or occupancy >= capacity
+
+
+def tokens_until_eviction(budget: int, window: int, capacity: int, occupancy: int) -> int:
+    """How many tokens can be appended before the next eviction, counting the token whose
+    step evicts. Feeding exactly this many in one step evicts at the same point as
+    one-token decode steps do."""
+    nxt = max(occupancy + 1, budget + 1)
+    nxt += -(nxt - budget) % window  # the next multiple of `window` past the budget
+    return min(nxt, capacity) - occupancy
