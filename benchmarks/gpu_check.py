@@ -3,8 +3,13 @@
     python benchmarks/gpu_check.py OUT_DIR               # CUDA: bf16, Qwen3-4B/14B attention shapes
     python benchmarks/gpu_check.py OUT_DIR --allow-cpu   # no CUDA: fp32, tiny shapes, reference kernels
 
-Part 1 (here): every available backend of `vasepatch.integration.backends`
-against `sdpa` in the same dtype (and against an fp32 SDPA for scale), for
+Run it from a checkout: `--allow-cpu` runs the varlen paths through the CPU
+stand-ins in `tests/reference_kernels.py`.
+
+Part 1 (here): every available backend (the varlen ones of
+`vasepatch.integration.backends`; `sdpa` and `eager` as the cache runs them,
+`kernels.grouped_attention` over a slot mask) against `sdpa` in the same dtype
+(and against an fp32 `sdpa` for scale), for
 decode over a static cache with ragged per-(row, KV head) starts and for
 prefill of a ragged left-padded prompt batch; plus the median time of each
 backend's decode (and prefill) call, with CUDA events. Part 2 (throughput of
@@ -32,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from vasepatch.integration import backends as bk
-from vasepatch.integration import reference_kernels as ref
+from vasepatch.integration.backends import torch_varlen
+from vasepatch.integration.kernels import causal_padding_mask, grouped_attention
 
 
 @dataclass(frozen=True)
@@ -70,22 +76,50 @@ def make_setup(device: torch.device, iters: int | None) -> Setup:
     return Setup(device, torch.float32, CPU_SHAPES, 3, 40, 33, 12, iters or 3, 1e-4, True)
 
 
+def masked_decode(kernel: str, query, keys, values, start, end: int, scale: float | None = None) -> torch.Tensor:
+    """The `sdpa`/`eager` backends' decode step: `grouped_attention` over the slots `[start, end)` of each row
+    and KV head (the mask the cache builds), reading only the first `end` slots."""
+    slots = torch.arange(end, device=keys.device)
+    mask = ((slots >= start[..., None]) & (slots < end)).unsqueeze(2)  # [B, Hkv, 1, end]
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return grouped_attention(query, keys[:, :, :end], values[:, :, :end], mask, scale, kernel)
+
+
+def masked_prefill(kernel: str, query, key, value, padding, scale: float | None = None) -> torch.Tensor:
+    """The `sdpa`/`eager` backends' prefill: causal + padding mask, zeros at the padding (as the varlen ones)."""
+    mask = causal_padding_mask(padding, query.shape[2], query.shape[2], query.device)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    out = grouped_attention(query, key, value, mask, scale, kernel)
+    return out if padding is None else out.masked_fill(~padding.bool()[:, :, None, None], 0.0)
+
+
+def _kernels(name: str, setup: Setup) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """`(decode, prefill)` of backend `name`, through the CPU stand-ins when `setup.reference_kernels`."""
+    if name not in bk.VARLEN_BACKENDS:
+        return functools.partial(masked_decode, name), functools.partial(masked_prefill, name)
+    decode, prefill = bk.DECODE[name], bk.PREFILL[name]
+    if setup.reference_kernels:
+        from tests import reference_kernels as ref  # the repository root is on sys.path (above)
+
+        if name == "torch_varlen":
+            decode = functools.partial(decode, kernel=ref.varlen_attn)
+            prefill = functools.partial(prefill, kernel=ref.varlen_attn)
+        else:
+            decode = functools.partial(decode, kernel=ref.flash_attn_with_kvcache)
+            prefill = functools.partial(prefill, kernel=ref.flash_attn_varlen_func)
+    return decode, prefill
+
+
 def variants(setup: Setup) -> tuple[dict[str, dict[str, Callable[..., torch.Tensor]]], dict[str, str]]:
     """`{label: {"backend", "decode", "prefill"}}` for every backend that can run, and why the others cannot."""
     names = list(bk.BACKENDS) if setup.reference_kernels else bk.available_backends(setup.device, setup.dtype)
     skipped = {n: bk.unavailable_reason(n, setup.device, setup.dtype) or "" for n in bk.BACKENDS if n not in names}
     out: dict[str, dict[str, Any]] = {}
     for name in names:
-        decode, prefill = bk.DECODE[name], bk.PREFILL[name]
-        if setup.reference_kernels and name == "torch_varlen":
-            decode = functools.partial(decode, kernel=ref.varlen_attn)
-            prefill = functools.partial(prefill, kernel=ref.varlen_attn)
-        elif setup.reference_kernels and name == "flash_attn":
-            decode = functools.partial(decode, kernel=ref.flash_attn_with_kvcache)
-            prefill = functools.partial(prefill, kernel=ref.flash_attn_varlen_func)
+        decode, prefill = _kernels(name, setup)
         out[name] = {"backend": name, "decode": decode, "prefill": prefill}
         if name == "torch_varlen":  # both decode layouts: seqused_k (if this torch has it) and gap sequences
-            kernel = ref.varlen_attn if setup.reference_kernels else bk._torch_varlen_kernel()
+            kernel = decode.keywords["kernel"] if setup.reference_kernels else torch_varlen.default_kernel()
             if bk.varlen_spec(kernel).seqused_k:
                 out[name]["decode"] = functools.partial(decode, use_seqused=True)
                 out["torch_varlen[gaps]"] = {
@@ -150,7 +184,7 @@ def part1(setup: Setup) -> list[dict[str, Any]]:
         gen = torch.Generator(device=setup.device).manual_seed(0)
         inputs = {"decode": decode_inputs(shape, setup, gen), "prefill": prefill_inputs(shape, setup, gen)}
         for phase, args in inputs.items():
-            reference = bk.DECODE["sdpa"] if phase == "decode" else bk.PREFILL["sdpa"]
+            reference = functools.partial(masked_decode if phase == "decode" else masked_prefill, "sdpa")
             expected = reference(*args)
             fp32 = reference(*(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args))
             real = args[-1] if phase == "prefill" else None
@@ -254,6 +288,7 @@ def compile_check(setup: Setup) -> dict[str, Any]:
 def throughput(setup: Setup, quick: bool) -> list[dict[str, Any]]:
     """`vasepatch bench` in Qwen3-4B and Qwen3-14B shapes (random weights), all methods in one
     process per shape (CUDA memory per method from `max_memory_allocated`)."""
+    from vasepatch import VaSEConfig
     from vasepatch.bench.runner import run_benchmark
     from vasepatch.bench.settings import Settings
 
@@ -262,12 +297,13 @@ def throughput(setup: Setup, quick: bool) -> list[dict[str, Any]]:
             ("shape:qwen3-4b", [2048, 4096, 8192, 16384], ["dense", "vase", "vase-dkv", "snapkv", "vase+compile"]),
             ("shape:qwen3-14b", [4096, 16384], ["dense", "vase", "vase-dkv"]),
         ]
-        common = dict(budget=4096, window=64, batch=[16], repeats=2, device="cuda", dtype="bfloat16")
+        cache = VaSEConfig(budget=4096, window=64, seed=0)
+        common = dict(cache=cache, batch=[16], repeats=2, device="cuda", dtype="bfloat16")
         if quick:
             plans = [("shape:qwen3-4b", [2048, 4096], ["dense", "vase"])]
     else:
         plans = [("shape:tiny-qwen3", [32, 64], ["dense", "vase"])]
-        common = dict(budget=16, window=4, batch=[2], repeats=2, prompt_len=8)
+        common = dict(cache=VaSEConfig(budget=16, window=4, seed=0), batch=[2], repeats=2, prompt_len=8)
     runs = []
     for model, tokens, methods in plans:
         settings = Settings(model=model, tokens=tokens, methods=methods, isolate="none", progress=False, **common)

@@ -4,25 +4,28 @@ accounting and option errors. Timings are never asserted."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from vasepatch.bench import MethodSpec, Settings, run_benchmark
-from vasepatch.bench.measure import eviction_share, sequence_inputs
+from vasepatch import VaSEConfig
+from vasepatch.bench import MethodSpec, Settings, run_benchmark, summarise
+from vasepatch.bench.measure import MIB, eviction_share, sequence_inputs
 from vasepatch.bench.methods import build_method, kvpress_module, share_weights
-from vasepatch.bench.shapes import load_model
+from vasepatch.bench.report import markdown
+from vasepatch.bench.shapes import SHAPES, load_model
 from vasepatch.cli import main
 
 TINY = "shape:tiny-qwen3"
+COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "results" / "bench-cpu" / "bench.json"
 
 
 def tiny_settings(**changes) -> Settings:
     base = dict(
         model=TINY,
+        cache=VaSEConfig(budget=16, window=4, seed=0),
         tokens=[16, 32],
-        budget=16,
-        window=4,
         batch=[1, 2],
         methods=["dense", "vase"],
         prompt_len=8,
@@ -126,20 +129,68 @@ def test_dense_and_static_fast_forward_reach_the_length(tiny):
             assert m.cache.get_seq_length() == settings.prompt_len + 24
 
 
-def test_kv_bytes_constant_for_vasepatch_and_growing_for_dense(tiny):
+def test_kv_bytes_constant_for_vasepatch_and_growing_for_dense_and_full(tiny):
     settings = tiny_settings(methods=["dense", "static", "vase", "full"], tokens=[16, 32, 64], batch=[2])
     result = run_benchmark(settings, model=tiny)
+    assert result["errors"] == []
     kv = {}
     for r in result["results"]:
         kv.setdefault(r["method"], []).append(r["kv_mib"])
     assert kv["dense"] == sorted(kv["dense"]) and kv["dense"][0] < kv["dense"][-1]
     assert len(set(kv["vase"])) == 1 and len(set(kv["static"])) == 1
-    assert kv["vase"][0] < kv["dense"][-1]
-    # `full` never evicts, so its fixed buffer overflows: an error for that method, the others go on
-    assert [(e["method"], e["batch"]) for e in result["errors"]] == [("full", 2)]
-    assert "never evicts" in result["errors"][0]["error"]
-    assert {r["method"] for r in result["results"]} == {"dense", "static", "vase"}
+    # vase's K/V bytes (read from `cache.stats()`) are the fixed buffer: budget + window slots
+    shape = SHAPES["tiny-qwen3"]
+    slots = settings.cache.budget + settings.cache.window
+    per_slot = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * 4  # K+V, fp32
+    assert kv["vase"][0] == 2 * slots * per_slot / MIB
+    # `full` is the never-evicting mode: it grows with the sequence, like dense, and never evicts
+    assert kv["full"] == sorted(kv["full"]) and kv["full"][0] < kv["full"][-1]
+    full = [r for r in result["results"] if r["method"] == "full"]
+    assert all(r["evicting_steps"] == 0 and r["eviction_share"] == 0.0 for r in full)
     assert all(r["ratio_to_dense"] is not None for r in result["results"])
+
+
+def test_a_failing_method_is_reported_and_the_others_go_on(tiny, monkeypatch):
+    from vasepatch.bench.methods import StaticMethod
+
+    step = StaticMethod.step
+
+    def failing_step(self):
+        if self.generated >= 32:
+            raise RuntimeError("injected failure")
+        step(self)
+
+    monkeypatch.setattr(StaticMethod, "step", failing_step)
+    settings = tiny_settings(methods=["dense", "static", "vase"], tokens=[16, 32, 64], batch=[1, 2])
+    result = run_benchmark(settings, model=tiny)
+    errors = [(e["method"], e["batch"], e["stage"], e["error"]) for e in result["errors"]]
+    assert errors == [("static", b, "segment at 32", "RuntimeError: injected failure") for b in (1, 2)]
+    rows = {(r["method"], r["batch"], r["length"]) for r in result["results"]}
+    assert rows == {(m, b, n) for m in ("dense", "vase") for b in (1, 2) for n in (16, 32, 64)} | {
+        ("static", 1, 16),
+        ("static", 2, 16),
+    }
+
+
+def test_settings_hold_a_vase_config_and_write_the_same_keys():
+    settings = tiny_settings(cache=VaSEConfig(budget=16, window=4, sinks=2), steps=None)
+    assert settings.cache.seed == 0 and settings.steps == 4  # an unseeded config gets seed 0; steps = window
+    config = settings.cache_config(MethodSpec.parse("snapkv+compile"))
+    assert (config.policy, config.budget, config.window, config.sinks) == ("snapkv", 16, 4, 2)
+    assert settings.cache_config(MethodSpec.parse("full")).evicts is False
+    with pytest.raises(ValueError, match=r"cache must be a vasepatch\.VaSEConfig"):
+        tiny_settings(cache={"budget": 16, "window": 4})
+    committed = json.loads(COMMITTED.read_text())
+    assert list(settings.to_dict()) == list(committed["settings"])
+    assert Settings.from_dict(committed["settings"]).to_dict() == committed["settings"]
+
+
+def test_committed_results_still_summarise_and_render():
+    committed = json.loads(COMMITTED.read_text())
+    settings = Settings.from_dict(committed["settings"])
+    assert summarise(settings, committed["segments"]) == committed["results"]
+    md = markdown(committed)
+    assert "budget=512, window=64" in md and "| vase | 8192 |" in md
 
 
 @pytest.mark.parametrize(
@@ -169,10 +220,13 @@ def test_quick_preset_and_explicit_options():
     from vasepatch.cli import build_parser
 
     quick = settings_from_args(build_parser().parse_args(["bench", "--quick"]))
-    assert (quick.tokens, quick.budget, quick.window, quick.batch, quick.repeats) == ([256, 512], 128, 32, [1], 1)
-    assert quick.steps == 32
-    mixed = settings_from_args(build_parser().parse_args(["bench", "--quick", "--budget", "96", "--steps", "8"]))
-    assert (mixed.budget, mixed.steps, mixed.window) == (96, 8, 32)
+    assert (quick.tokens, quick.batch, quick.repeats, quick.steps) == ([256, 512], [1], 1, 32)
+    assert (quick.cache.budget, quick.cache.window, quick.cache.seed) == (128, 32, 0)
+    argv = ["bench", "--quick", "--budget", "96", "--steps", "8", "--seed", "3"]
+    mixed = settings_from_args(build_parser().parse_args(argv))
+    assert (mixed.cache.budget, mixed.steps, mixed.cache.window, mixed.cache.seed) == (96, 8, 32, 3)
+    plain = settings_from_args(build_parser().parse_args(["bench"]))
+    assert plain.to_dict() == Settings().to_dict()
 
 
 def test_method_names_and_eviction_share():

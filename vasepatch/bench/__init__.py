@@ -3,12 +3,15 @@
 `run_benchmark(Settings(...))` returns the results as a dict (callable without
 the CLI, e.g. from a GPU check script); `report.write(result, out)` writes
 `bench.json`, `bench.md` and the plots. Parts: `settings` (options, method
-names), `shapes` (random-weight model shapes), `methods` (how each method
-builds its cache and steps), `measure` (timing and memory of one method),
-`runner` (worker processes, interleaving, summary), `report`, `cli`.
+names; the cache settings are one `VaSEConfig`), `shapes` (random-weight model
+shapes), `methods` (how each method builds its cache and steps), `measure`
+(timing and memory of one method), `workers` (where a method runs: its own
+process or this one), `runner` (interleaving the methods), `summary` (result
+rows), `report`, `cli`.
 """
 
-from vasepatch.bench.runner import run_benchmark, summarise
+from vasepatch.bench.runner import run_benchmark
 from vasepatch.bench.settings import MethodSpec, Settings
+from vasepatch.bench.summary import summarise
 
 __all__ = ["MethodSpec", "Settings", "run_benchmark", "summarise"]

@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from vasepatch.bench.settings import DEFAULT_METHODS, DTYPES, ISOLATION, MASKS, Settings
+from vasepatch.config import VaSEConfig
 
 # `--quick`: a smoke run of about a minute on 2 CPU cores (SmolLM2-135M); explicit options win.
 QUICK: dict[str, Any] = {"tokens": [256, 512], "budget": 128, "window": 32, "batch": [1], "repeats": 1}
+CACHE_OPTIONS = ("budget", "window")  # options that live in `Settings.cache`
 
 
 def _int_list(name: str, text: str) -> list[int]:
@@ -19,12 +21,16 @@ def _int_list(name: str, text: str) -> list[int]:
         raise ValueError(f"{name} must be comma-separated ints, got {text!r}") from None
 
 
+def _csv(values: list[int]) -> str:
+    return ",".join(map(str, values))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Settings()
     p.add_argument("--model", default=d.model, help="registered name, HF directory, .gguf file or shape:NAME")
     p.add_argument("--tokens", default=None, help=f"generated lengths to time at (default {_csv(d.tokens)})")
-    p.add_argument("--budget", type=int, default=None, help=f"vasepatch/kvpress budget (default {d.budget})")
-    p.add_argument("--window", type=int, default=None, help=f"eviction window (default {d.window})")
+    p.add_argument("--budget", type=int, default=None, help=f"vasepatch/kvpress budget (default {d.cache.budget})")
+    p.add_argument("--window", type=int, default=None, help=f"eviction window (default {d.cache.window})")
     p.add_argument("--batch", default=None, help=f"batch sizes (default {_csv(d.batch)})")
     p.add_argument(
         "--methods",
@@ -36,7 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per segment (default: window)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=d.cache.seed,
+        help="seeds the random prompts, shape: weights and VaSE sampling (default 0)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads per method (default: all cores)")
     p.add_argument("--isolate", choices=ISOLATION, default=d.isolate, help="worker process per method (CPU default)")
     p.add_argument("--mask", choices=MASKS, default=d.mask, help="attention mask of ones: auto = eager methods only")
@@ -46,10 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=d.out)
 
 
-def _csv(values: list[int]) -> str:
-    return ",".join(map(str, values))
-
-
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Validated `Settings` from the parsed options (`ValueError` names the bad one)."""
     d = Settings()
@@ -57,13 +64,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     def pick(name: str, given: Any) -> Any:
         if given is not None:
             return given
-        return QUICK[name] if args.quick and name in QUICK else getattr(d, name)
+        if args.quick and name in QUICK:
+            return QUICK[name]
+        return getattr(d.cache if name in CACHE_OPTIONS else d, name)
 
+    cache = VaSEConfig(budget=pick("budget", args.budget), window=pick("window", args.window), seed=args.seed)
     return Settings(
         model=args.model,
+        cache=cache,
         tokens=pick("tokens", None if args.tokens is None else _int_list("tokens", args.tokens)),
-        budget=pick("budget", args.budget),
-        window=pick("window", args.window),
         batch=pick("batch", None if args.batch is None else _int_list("batch", args.batch)),
         methods=[m.strip() for m in args.methods.split(",") if m.strip()],
         prompt_len=args.prompt_len,
@@ -71,7 +80,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         steps=args.steps,
         dtype=args.dtype,
         device=args.device,
-        seed=args.seed,
         threads=args.threads,
         isolate=args.isolate,
         mask=args.mask,

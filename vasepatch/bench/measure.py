@@ -17,6 +17,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -103,31 +104,42 @@ class MemoryProbe:
 
 
 def time_steps(method: Method, steps: int) -> tuple[list[float], list[bool], float]:
-    """Run `steps` decode steps: per-step seconds, whether each evicted, and the total seconds."""
-    cuda = method.device.type == "cuda"
+    """Run `steps` decode steps: per-step seconds, whether each evicted, and the total seconds.
+    The eviction counter is read once per step, after it."""
     evicting: list[bool] = []
-    if cuda:
-        torch.cuda.synchronize(method.device)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-        t0 = time.perf_counter()
-        events[0].record()
-        for i in range(steps):
-            before = method.evictions()
-            method.step()
-            events[i + 1].record()
-            evicting.append(before is not None and method.evictions() != before)
-        torch.cuda.synchronize(method.device)
-        total = time.perf_counter() - t0
-        times = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(steps)]
+    count = method.evictions()
+
+    def record_eviction() -> None:
+        nonlocal count
+        before, count = count, method.evictions()
+        evicting.append(before is not None and count != before)
+
+    if method.device.type == "cuda":
+        times, total = _cuda_step_times(method, steps, record_eviction)
         return times, evicting, total
     times = []
     for _ in range(steps):
-        before = method.evictions()
         t0 = time.perf_counter()
         method.step()
         times.append(time.perf_counter() - t0)
-        evicting.append(before is not None and method.evictions() != before)
+        record_eviction()
     return times, evicting, sum(times)
+
+
+def _cuda_step_times(method: Method, steps: int, after_step: Callable[[], None]) -> tuple[list[float], float]:
+    """Per-step seconds from CUDA events between the steps, and the wall seconds of all of them
+    (one synchronisation at each end)."""
+    torch.cuda.synchronize(method.device)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    t0 = time.perf_counter()
+    events[0].record()
+    for i in range(steps):
+        method.step()
+        events[i + 1].record()
+        after_step()
+    torch.cuda.synchronize(method.device)
+    total = time.perf_counter() - t0
+    return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(steps)], total
 
 
 def eviction_share(times: list[float], evicting: list[bool]) -> float | None:
@@ -165,7 +177,7 @@ def _compiled_graphs() -> int:
 def sequence_inputs(settings: Settings, batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The seeded random prompt `[B, prompt_len]` and fast-forward tokens `[B, max_generated]`
     of one batch size: the same for every method."""
-    g = torch.Generator().manual_seed(settings.seed * 1009 + batch)
+    g = torch.Generator().manual_seed(settings.cache.seed * 1009 + batch)
     prompt = torch.randint(vocab, (batch, settings.prompt_len), generator=g)
     stream = torch.randint(vocab, (batch, settings.max_generated), generator=g)
     return prompt, stream
@@ -183,7 +195,7 @@ class MethodRunner:
         t0 = time.perf_counter()
         isolated = model is None
         if model is None:
-            model = load_model(settings.model, getattr(torch, settings.dtype), settings.device, settings.seed)
+            model = load_model(settings.model, getattr(torch, settings.dtype), settings.device, settings.cache.seed)
         self.weight_bytes = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
         self.settings = settings
         self.vocab = model.config.vocab_size

@@ -8,9 +8,11 @@ Methods:
 
 - `dense`: transformers' `DynamicCache` on the unpatched model;
 - `static`: transformers' `StaticCache`, sized for the whole run;
-- a vasepatch policy: `vasepatch.patch(model, ...)` and `handle.new_cache()`;
+- a vasepatch policy (or `full`, the never-evicting mode): `vasepatch.patch(model,
+  config=settings.cache_config(spec))` and `handle.new_cache()`; its K/V bytes and
+  eviction count come from `cache.stats()`;
 - `kvpress`: NVIDIA kvpress `DecodingPress(KnormPress())` over a `DynamicCache`,
-  compressing to `budget` every `window` decode steps;
+  compressing to `cache.budget` every `cache.window` decode steps;
 - `+compile` on any of them: `model.forward = torch.compile(model.forward, fullgraph=True)`
   for the decode steps (prefill and fast-forward stay eager).
 """
@@ -81,7 +83,7 @@ class Method:
 
     def chunk_limit(self) -> int:
         """Most tokens the next fast-forward chunk may hold."""
-        return self.settings.window
+        return self.settings.cache.window
 
     def before_forward(self, n_tokens: int) -> None:
         """Called before each forward of `n_tokens` new tokens."""
@@ -175,23 +177,21 @@ class PolicyMethod(Method):
     def prepare(self) -> None:
         import vasepatch
 
-        s = self.settings
-        self.handle = vasepatch.patch(self.model, budget=s.budget, window=s.window, policy=self.spec.base, seed=s.seed)
+        self.handle = vasepatch.patch(self.model, config=self.settings.cache_config(self.spec))
         self.keyword = self.handle.cache_keyword
 
     def new_cache(self, batch: int, max_len: int) -> Any:
         return self.handle.new_cache()
 
     def chunk_limit(self) -> int:
-        # a chunk ends exactly where one-token decoding would evict (a full never-evicting cache
-        # gets one token, so that it raises its own error)
-        return max(1, min(self.settings.window, self.cache.tokens_until_eviction()))
+        # a chunk ends exactly where one-token decoding would evict
+        return max(1, min(self.settings.cache.window, self.cache.tokens_until_eviction()))
 
     def kv_bytes(self) -> int:
         return int(self.cache.stats()["kv_bytes"])
 
     def evictions(self) -> int:
-        return self.cache.layers[0].counters.evictions
+        return int(self.cache.stats()["evictions"])
 
     def close(self) -> None:
         if self.handle.active:
@@ -219,11 +219,11 @@ class KVPressMethod(DenseMethod):
 
     def prepare(self) -> None:
         kvpress = kvpress_module()
-        s = self.settings
+        c = self.settings.cache
         self.press = kvpress.DecodingPress(
             base_press=kvpress.KnormPress(),
-            compression_interval=s.window,
-            target_size=s.budget,
+            compression_interval=c.window,
+            target_size=c.budget,
             hidden_states_buffer_size=0,
         )
         self._hooks = self.press(self.model)
@@ -237,7 +237,8 @@ class KVPressMethod(DenseMethod):
         return super().new_cache(batch, max_len)
 
     def chunk_limit(self) -> int:
-        return min(self.settings.window, self.settings.window - self.press.layer_step_counts[0])
+        window = self.settings.cache.window
+        return min(window, window - self.press.layer_step_counts[0])
 
     def before_forward(self, n_tokens: int) -> None:
         if self.seen == 0:  # prefill: the press leaves it alone

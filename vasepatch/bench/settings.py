@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from vasepatch import policies
-from vasepatch.config import VaSEConfig
+from vasepatch.config import FULL, VaSEConfig
 
 BASELINES = ("dense", "static", "kvpress")
 COMPILE_SUFFIX = "+compile"
@@ -15,6 +15,12 @@ DEFAULT_METHODS = ("dense", "static", "vase", "vase-dkv", "snapkv")
 DTYPES = ("float32", "bfloat16", "float16")
 MASKS = ("auto", "ones", "none")
 ISOLATION = ("auto", "process", "none")
+
+
+def cache_policies() -> list[str]:
+    """Every `VaSEConfig.policy` a vasepatch method may name: the registered policies and the
+    never-evicting mode."""
+    return sorted({*policies.available(), FULL})
 
 
 @dataclass(frozen=True)
@@ -27,14 +33,14 @@ class MethodSpec:
 
     @property
     def is_policy(self) -> bool:
-        """Whether the method is a vasepatch policy (a `VaSECache`)."""
+        """Whether the method is a vasepatch cache (its base is the `VaSEConfig.policy`)."""
         return self.base not in BASELINES
 
     @classmethod
     def parse(cls, name: str) -> MethodSpec:
         """`"vase+compile"` -> `MethodSpec("vase+compile", "vase", True)`; unknown bases are an error."""
         base = name.removesuffix(COMPILE_SUFFIX)
-        known = [*BASELINES, *policies.available()]
+        known = [*BASELINES, *cache_policies()]
         if base not in known:
             raise ValueError(
                 f"methods: unknown method {name!r}; known: {', '.join(known)} (each optionally with {COMPILE_SUFFIX})"
@@ -51,23 +57,35 @@ def _positive_ints(name: str, values: list[int]) -> list[int]:
     return sorted(set(values))
 
 
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _default_cache() -> VaSEConfig:
+    return VaSEConfig(budget=512, window=64, seed=0)
+
+
 @dataclass
 class Settings:
     """The `vasepatch bench` options, validated at construction (before any work).
 
-    `tokens` are the generated lengths at which the decode speed is timed (sorted);
-    `steps` is the number of timed decode steps per segment (`None`: `window`, one
-    eviction cycle); `dtype=None` means float32 on CPU and bfloat16 on CUDA;
-    `threads=None` means every core; `isolate="auto"` runs each method in its own
-    worker process on CPU (per-method peak RSS) and all in this process on CUDA;
-    `mask="auto"` passes an attention mask of ones to eager methods and none to
+    `cache` holds the vasepatch cache settings shared by every method: each vasepatch
+    method runs `cache.replace(policy=<its name>)` (so `cache.policy` itself is not
+    used); kvpress compresses to `cache.budget` every `cache.window` decode steps; and
+    `cache.seed` also seeds the random prompts and `shape:` weights (`None` becomes 0).
+    The other fields are the bench's own. `tokens` are the generated lengths at which
+    the decode speed is timed (sorted); `steps` is the number of timed decode steps per
+    segment (`None`: `cache.window`, one eviction cycle); `dtype=None` means float32 on
+    CPU and bfloat16 on CUDA; `threads=None` means every core; `isolate="auto"` runs each
+    method in its own worker process on CPU (per-method peak RSS) and all in this process
+    on CUDA; `mask="auto"` passes an attention mask of ones to eager methods and none to
     compiled ones (static shapes).
     """
 
     model: str = "smollm2-135m"
+    cache: VaSEConfig = field(default_factory=_default_cache)
     tokens: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
-    budget: int = 512
-    window: int = 64
     batch: list[int] = field(default_factory=lambda: [1, 8])
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     prompt_len: int = 128
@@ -75,7 +93,6 @@ class Settings:
     steps: int | None = None
     dtype: str | None = None
     device: str = "cpu"
-    seed: int = 0
     threads: int | None = None
     isolate: str = "auto"
     mask: str = "auto"
@@ -83,19 +100,27 @@ class Settings:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        self._check_cache()
+        self._check_lengths()
+        self._check_methods()
+        self._check_device()
+        self._check_execution()
+        self._check_model()
+
+    def _check_cache(self) -> None:
+        if not isinstance(self.cache, VaSEConfig):
+            raise ValueError(f"cache must be a vasepatch.VaSEConfig, got {type(self.cache).__name__}")
+        if self.cache.seed is None:  # a benchmark draws its prompts from a seed
+            self.cache = self.cache.replace(seed=0)
+
+    def _check_lengths(self) -> None:
         self.tokens = _positive_ints("tokens", list(self.tokens))
         self.batch = _positive_ints("batch", list(self.batch))
         for name in ("prompt_len", "repeats"):
             _positive_ints(name, [getattr(self, name)])
         if self.steps is None:
-            self.steps = self.window
+            self.steps = self.cache.window
         _positive_ints("steps", [self.steps])
-        if not self.methods:
-            raise ValueError("methods must list at least one method")
-        if len(set(self.methods)) != len(self.methods):
-            raise ValueError(f"methods: duplicate names in {self.methods}")
-        self.specs = [MethodSpec.parse(m) for m in self.methods]
-        VaSEConfig(budget=self.budget, window=self.window, seed=self.seed)  # names budget/window on error
         if self.tokens[0] < self.steps:
             raise ValueError(
                 f"tokens: the shortest length ({self.tokens[0]}) must be >= steps ({self.steps}): "
@@ -108,6 +133,15 @@ class Settings:
                 f"tokens: consecutive lengths must be >= steps * repeats = {span} apart (the timed segments of one "
                 f"length continue the sequence), got {self.tokens}"
             )
+
+    def _check_methods(self) -> None:
+        if not self.methods:
+            raise ValueError("methods must list at least one method")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"methods: duplicate names in {self.methods}")
+        self.specs = [MethodSpec.parse(m) for m in self.methods]
+
+    def _check_device(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda"):
@@ -117,17 +151,18 @@ class Settings:
                 raise ValueError(f"device {self.device!r} requested but torch.cuda.is_available() is False")
         if self.dtype is None:
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _one_of("dtype", self.dtype, DTYPES)
+
+    def _check_execution(self) -> None:
         if self.threads is None:
             self.threads = os.cpu_count() or 1
         _positive_ints("threads", [self.threads])
-        if self.isolate not in ISOLATION:
-            raise ValueError(f"isolate must be one of {', '.join(ISOLATION)}, got {self.isolate!r}")
+        _one_of("isolate", self.isolate, ISOLATION)
         if self.isolate == "auto":
             self.isolate = "process" if self.device == "cpu" else "none"
-        if self.mask not in MASKS:
-            raise ValueError(f"mask must be one of {', '.join(MASKS)}, got {self.mask!r}")
+        _one_of("mask", self.mask, MASKS)
+
+    def _check_model(self) -> None:
         if self.model.startswith("shape:"):
             from vasepatch.bench.shapes import SHAPES
 
@@ -139,6 +174,10 @@ class Settings:
         """Generated tokens at the end of the last timed segment."""
         return self.tokens[-1] + self.steps * self.repeats
 
+    def cache_config(self, spec: MethodSpec) -> VaSEConfig:
+        """The `VaSEConfig` of the vasepatch method `spec`: `cache` with `spec`'s policy."""
+        return self.cache.replace(policy=spec.base)
+
     def mask_for(self, spec: MethodSpec) -> bool:
         """Whether `spec`'s forward gets an attention mask of ones (else `None`)."""
         if spec.base == "kvpress":
@@ -147,7 +186,31 @@ class Settings:
             return not spec.compile
         return self.mask == "ones"
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Settings:
+        """The settings that `to_dict` wrote (e.g. the `settings` of a `bench.json`)."""
+        d = dict(d)
+        cache = VaSEConfig(budget=d.pop("budget"), window=d.pop("window"), seed=d.pop("seed"))
+        return cls(cache=cache, **d)
+
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("progress")
-        return d
+        """The settings as written to `bench.json` (the cache's budget, window and seed as top-level keys)."""
+        c = self.cache
+        return {
+            "model": self.model,
+            "tokens": list(self.tokens),
+            "budget": c.budget,
+            "window": c.window,
+            "batch": list(self.batch),
+            "methods": list(self.methods),
+            "prompt_len": self.prompt_len,
+            "repeats": self.repeats,
+            "steps": self.steps,
+            "dtype": self.dtype,
+            "device": self.device,
+            "seed": c.seed,
+            "threads": self.threads,
+            "isolate": self.isolate,
+            "mask": self.mask,
+            "out": self.out,
+        }

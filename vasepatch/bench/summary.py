@@ -1,0 +1,57 @@
+"""`summarise(settings, segments)`: one result row per method, batch size and generated length."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from vasepatch.bench.measure import MIB
+from vasepatch.bench.settings import MethodSpec, Settings
+
+Segments = dict[int, dict[str, Any]]  # one method, batch and length: repeat -> segment
+
+
+def _median(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarise(settings: Settings, segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per method, batch and length: decode tok/s median and min/max over repeats,
+    the median per-repeat ratio to `dense` (and to the eager method, for `+compile`),
+    KV MiB, peak MiB and the eviction share (medians over repeats)."""
+    by_key: dict[tuple[str, int, int], Segments] = defaultdict(dict)
+    for seg in segments:
+        by_key[seg["method"], seg["batch"], seg["length"]][seg["repeat"]] = seg
+    rows = []
+    for spec in settings.specs:
+        for batch in settings.batch:
+            for length in settings.tokens:
+                segs = by_key.get((spec.name, batch, length))
+                if segs:
+                    ref = {name: by_key.get((name, batch, length), {}) for name in ("dense", spec.base)}
+                    rows.append({"method": spec.name, "batch": batch, "length": length, **_row(spec, segs, ref)})
+    return rows
+
+
+def _ratio(segs: Segments, ref: Segments) -> float | None:
+    """Median over repeats of `tok_s / ref's tok_s` (the repeats both have)."""
+    return _median([s["tok_s"] / ref[r]["tok_s"] for r, s in segs.items() if r in ref])
+
+
+def _row(spec: MethodSpec, segs: Segments, ref: dict[str, Segments]) -> dict[str, Any]:
+    """The measured columns of one row; `ref` holds the segments of `dense` and of `spec.base`."""
+    tok_s = [s["tok_s"] for s in segs.values()]
+    return {
+        "tok_s": statistics.median(tok_s),
+        "tok_s_min": min(tok_s),
+        "tok_s_max": max(tok_s),
+        "ratio_to_dense": _ratio(segs, ref["dense"]) if spec.name != "dense" else 1.0,
+        "compile_speedup": _ratio(segs, ref[spec.base]) if spec.compile else None,
+        "kv_mib": _median([s["kv_bytes"] / MIB for s in segs.values()]),
+        "peak_mib": _median([s["peak_bytes"] / MIB for s in segs.values()]),
+        "eviction_share": _median([s["eviction_share"] for s in segs.values()]),
+        "evicting_steps": sum(s["evicting_steps"] for s in segs.values()),
+        "repeats": len(segs),
+    }
