@@ -10,12 +10,15 @@ import torch
 
 import vasepatch
 from tests.conftest import ragged_batch
-from tests.tiny_models import VOCAB
+from tests.tiny_models import VOCAB, tiny_config
 from tests.tiny_tokenizer import tiny_tokenizer
-from vasepatch import VaSEConfig, cli
-from vasepatch.eval import data
+from vasepatch import VaSEConfig, cli, policies
+from vasepatch.eval import answers, data, options, task
 from vasepatch.eval.forcing import prompt_positions, teacher_force
 
+# K and V bytes per slot (row, all layers and KV heads) of the tiny fp32 Qwen3 the CLI tests save
+_CFG = tiny_config("qwen3")
+PER_SLOT = 2 * _CFG.num_hidden_layers * _CFG.num_key_value_heads * _CFG.head_dim * 4
 STOCHASTIC_AND_NOT = ["full", "vase", "vase-dkv", "rkv", "snapkv", "evict-large", "random"]
 
 
@@ -52,9 +55,7 @@ def test_chunked_teacher_forcing_equals_one_token_steps(make_model):
     model = make_model("qwen3")
     steps = 100
     ids, mask, continuation = _distinct_token_batch((12, 7, 3), steps)
-    configs = {
-        n: VaSEConfig(budget=12 + steps if n == "full" else 32, window=8, policy=n, seed=0) for n in STOCHASTIC_AND_NOT
-    }
+    configs = {n: VaSEConfig(budget=32, window=8, policy=n, seed=0) for n in STOCHASTIC_AND_NOT}  # full grows
     with torch.no_grad(), vasepatch.patched(model, budget=32, window=8) as handle:
         caches = {n: handle.new_cache(c) for n, c in configs.items()}
         chunks = list(teacher_force(model, handle.cache_keyword, caches, ids, mask, continuation))
@@ -128,6 +129,10 @@ def test_eval_fidelity_cli_end_to_end(tiny_dir):
         assert 0 <= r["top1_agreement"] <= 1 and r["kl"] >= 0 and 0 <= r["loop_rate"] <= 1
         assert 0 <= r["first_divergence"] <= 40
     assert any(rows[p]["kl"] > 0 for p in ("vase", "snapkv", "streaming"))  # evicting changes something
+    assert all(rows[p]["kv_bytes"] == (16 + 4) * PER_SLOT for p in ("vase", "snapkv", "streaming"))
+    assert rows["full"]["kv_bytes"] >= (89 + 39) * PER_SLOT  # every prompt (89 tokens) and reference token fed
+    header = result["config"]
+    assert header["sample_temperature"] == 0.8 and header["protect"] == 4 and header["policies"] == list(rows)
     assert (out / "fidelity.md").read_text().count("\n|") >= 5 and (out / "fidelity.png").stat().st_size > 0
 
 
@@ -159,27 +164,72 @@ def test_eval_task_cli_end_to_end_and_resume(tiny_dir, monkeypatch):
             "--batch-size", "4", "--data-dir", str(tiny_dir / "data"), "--out", str(out)]  # fmt: skip
     assert cli.main(args) == 0
     result = json.loads((out / "gsm8k.json").read_text())
-    rows = {r["policy"]: r for r in result["results"]}
+    header, rows = result["config"], {r["policy"]: r for r in result["results"]}
     assert set(rows) == {"full", "vase"}
     for r in rows.values():
         assert r["n"] == 6 and 0 <= r["accuracy"] <= 1 and r["stderr"] >= 0 and 0 < r["mean_tokens"] <= 24
-        assert r["kv_bytes"] > 0
+    # sizes come from the caches: vase holds budget + window slots (the prompts, 89 tokens, are
+    # compressed at prefill), full holds every token it saw
+    assert rows["vase"]["kv_bytes"] == (16 + 4) * PER_SLOT
+    assert rows["full"]["kv_bytes"] >= 89 * PER_SLOT
+    assert header["protect"] == 4 and header["sample_temperature"] == 0.6 and header["temperature"] == 1.0
+    assert header["prefill"] == "compress" and "score_temperature" not in header
     records = [json.loads(x) for x in (out / "gsm8k-vase.jsonl").read_text().splitlines()]
     assert sorted((r["id"], r["sample"]) for r in records) == [(str(i), s) for i in range(3) for s in range(2)]
     assert all(r["answer"] == str(2 * int(r["id"])) for r in records)
 
     # a resumed run finds everything done and generates nothing
-    from vasepatch.eval import task
-
     def fail(*a, **k):
         raise AssertionError("resumed run generated again")
 
-    monkeypatch.setattr(task, "generate_batch", fail)
+    monkeypatch.setattr(answers, "generate", fail)
     assert cli.main(args) == 0
     assert json.loads((out / "gsm8k.json").read_text())["results"] == result["results"]
     # other settings never mix with old records
-    with pytest.raises(ValueError, match="other settings"):
-        cli.main([*args[:-1], str(out), "--budget", "20"])
+    for other in (["--budget", "20"], ["--prefill", "keep"], ["--temperature", "0.5"], ["--sample-temperature", "0"]):
+        with pytest.raises(ValueError, match="other settings"):
+            cli.main([*args, *other])
+
+
+def test_records_written_before_the_rename_still_resume(tmp_path):
+    """Run keys of older files named the sampling temperature `temperature` and the policies'
+    softmax temperature `score_temperature`, kept whole prompts and wrote `protect=None`."""
+    old = {"policy": "vase", "model_class": "Qwen2ForCausalLM", "model": "qwen2.5-coder-0.5b", "task": "gsm8k",
+           "samples": 1, "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 512, "seed": 0, "batch_size": 50,
+           "budget": 128, "window": 32, "protect": None, "sinks": 4, "score_temperature": 1.0, "smooth": 5}  # fmt: skip
+    path = tmp_path / "gsm8k-vase.jsonl"
+    path.write_text(json.dumps({"id": "0", "sample": 0, "correct": True, "run": json.dumps(old)}) + "\n")
+    settings = task.TaskSettings(
+        model="qwen2.5-coder-0.5b",
+        config=VaSEConfig(budget=128, window=32, seed=0, prefill="keep"),
+        samples=1,
+        sample_temperature=0.6,
+        max_new_tokens=512,
+        batch_size=50,
+    )
+    key = settings.run_key("vase", "Qwen2ForCausalLM")
+    assert list(answers.load(path, key, lambda r: (r["id"], r["sample"]))) == [("0", 0)]
+    for changed in ({"config": settings.config.replace(prefill="compress")}, {"sample_temperature": 1.0}):
+        other = task.TaskSettings(**{**vars(settings), **changed}).run_key("vase", "Qwen2ForCausalLM")
+        with pytest.raises(ValueError, match="other settings"):
+            answers.load(path, other, lambda r: (r["id"], r["sample"]))
+    full = {k: v for k, v in old.items() if k in ("policy", "model_class", "model", "task", "samples", "temperature",
+                                                   "top_p", "max_new_tokens", "seed", "batch_size")}  # fmt: skip
+    path.write_text(json.dumps({"id": "0", "sample": 0, "run": json.dumps({**full, "policy": "full"})}) + "\n")
+    assert len(answers.load(path, settings.run_key("full", "Qwen2ForCausalLM"), lambda r: (r["id"], r["sample"]))) == 1
+
+
+def test_cache_flags_make_one_config_and_policy_names():
+    parser = cli.build_parser()
+    args = parser.parse_args(["eval", "task", "--budget", "64", "--window", "8", "--temperature", "0.5",
+                              "--sample-temperature", "0.9", "--prefill", "keep", "--seed", "3"])  # fmt: skip
+    assert options.cache_config(args) == VaSEConfig(budget=64, window=8, temperature=0.5, prefill="keep", seed=3)
+    assert args.sample_temperature == 0.9
+    old_flags = parser.parse_args(["eval", "fidelity", "--score-temperature", "2", "--reference-temperature", "0.7"])
+    assert options.cache_config(old_flags).temperature == 2 and old_flags.sample_temperature == 0.7
+    names = options.parse_policies("all")
+    assert names[0] == "full" and sorted(names[1:]) == sorted(set(policies.available()) - {"full"})
+    assert options.parse_policies(" vase, snapkv ,") == ["vase", "snapkv"]
 
 
 def test_eval_rejects_bad_settings_before_loading(tiny_dir):
@@ -187,3 +237,7 @@ def test_eval_rejects_bad_settings_before_loading(tiny_dir):
         cli.main(["eval", "task", "--policies", "vase,nope", "--model", "/nonexistent"])
     with pytest.raises(ValueError, match="window must be smaller than budget"):
         cli.main(["eval", "fidelity", "--budget", "8", "--window", "8", "--model", "/nonexistent"])
+    with pytest.raises(ValueError, match="depths must lie in"):
+        cli.main(["eval", "task", "--task", "passkey", "--depths", "0,1.5", "--model", "/nonexistent"])
+    with pytest.raises(ValueError, match="seeded config"):
+        task.TaskSettings(config=VaSEConfig(budget=64, window=8))

@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     fid = eval_sub.add_parser("fidelity", help="KL / top-1 agreement / loops against the full cache")
     fidelity.add_arguments(fid)
     fid.set_defaults(run=fidelity.main)
-    tsk = eval_sub.add_parser("task", help="accuracy on GSM8K / MATH-500 / AIME25")
+    tsk = eval_sub.add_parser("task", help="accuracy on GSM8K / MATH-500 / AIME25, or pass-key retrieval")
     task.add_arguments(tsk)
     tsk.set_defaults(run=task.main)
 

@@ -1,6 +1,7 @@
-"""Evaluation harness: fidelity to the full cache and accuracy on reasoning tasks.
+"""Evaluation harness: fidelity to the full cache, accuracy on reasoning tasks and pass-key retrieval.
 
-`vasepatch eval fidelity` (`fidelity.run`) and `vasepatch eval task`
-(`task.run`); the pieces (data, metrics, grading, teacher forcing, reports) are
-separate modules usable on their own.
+`vasepatch eval fidelity` (`fidelity.run`, `probe`) and `vasepatch eval task`
+(`task.run`, `passkey` for `--task passkey`); the pieces (shared options, data,
+pass-key prompts, metrics, grading, teacher forcing, resumable answers, reports,
+plots) are separate modules usable on their own.
 """

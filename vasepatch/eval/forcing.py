@@ -11,10 +11,12 @@ that provides the reference.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
-from vasepatch.cache import VaSECache
+if TYPE_CHECKING:
+    from vasepatch.cache import VaSECache
 
 
 def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:

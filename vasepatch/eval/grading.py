@@ -5,7 +5,8 @@ GSM8K and AIME answers are numbers: the model's final answer (the last
 compared with the reference (`|a - b| <= 1e-6 * max(1, |b|)`). MATH answers are
 graded with HuggingFace's `math-verify` (symbolic equivalence of LaTeX answers;
 install `vasepatch[eval]`), with a plain normalised-string comparison as the
-fallback when it is not installed.
+fallback when it is not installed. Pass keys are exact: the first 5-digit number
+of the answer (not part of a longer number) must be the key.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import re
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_FIVE_DIGITS = re.compile(r"(?<![0-9])[0-9]{5}(?![0-9])")
 _FRAC = re.compile(r"\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}")
 
 
@@ -103,7 +105,14 @@ def grade_math(completion: str, gold: str) -> tuple[str | None, bool]:
     return extracted, _normalise(extracted) == _normalise(gold)
 
 
-GRADERS = {"gsm8k": grade_numeric, "aime25": grade_numeric, "math500": grade_math}
+def grade_passkey(completion: str, key: str) -> tuple[str | None, bool]:
+    """(first 5-digit number of the answer, whether it is the key)."""
+    found = _FIVE_DIGITS.search(completion)
+    extracted = found.group(0) if found else None
+    return extracted, extracted is not None and extracted == key
+
+
+GRADERS = {"gsm8k": grade_numeric, "aime25": grade_numeric, "math500": grade_math, "passkey": grade_passkey}
 
 
 def grade(task: str, completion: str, gold: str) -> tuple[str | None, bool]:

@@ -19,6 +19,10 @@ def _cell(value: Any) -> str:
     return "—" if value is None else str(value)
 
 
+def _setting(value: Any) -> str:
+    return "[" + ", ".join(map(str, value)) + "]" if isinstance(value, list) else str(value)
+
+
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
@@ -33,13 +37,20 @@ def write(
     columns: Sequence[str],
     title: str,
     plot: Callable[[Path], None] | None = None,
+    tables: dict[str, tuple[list[dict[str, Any]], Sequence[str]]] | None = None,
 ) -> list[Path]:
-    """`<stem>.json` (`{"config", "results"}`), `<stem>.md` and, with `plot`, `<stem>.png`."""
+    """`<stem>.json` (`{"config", "results", **tables}`), `<stem>.md` (the results, then each
+    of `tables`: `{name: (rows, columns)}`) and, with `plot`, `<stem>.png`."""
     out.mkdir(parents=True, exist_ok=True)
+    tables = tables or {}
     paths = [out / f"{stem}.json", out / f"{stem}.md"]
-    paths[0].write_text(json.dumps({"config": config, "results": results}, indent=2) + "\n")
-    settings = ", ".join(f"{k}={v}" for k, v in config.items() if not isinstance(v, (dict, list)))
-    paths[1].write_text(f"**{title}** ({settings})\n\n{markdown_table(results, columns)}")
+    content = {"config": config, "results": results, **{name: rows for name, (rows, _) in tables.items()}}
+    paths[0].write_text(json.dumps(content, indent=2) + "\n")
+    settings = ", ".join(f"{k}={_setting(v)}" for k, v in config.items() if not isinstance(v, dict))
+    text = f"**{title}** ({settings})\n\n{markdown_table(results, columns)}"
+    for name, (rows, cols) in tables.items():
+        text += f"\n**{name}**\n\n{markdown_table(rows, cols)}"
+    paths[1].write_text(text)
     if plot is not None:
         import matplotlib
 

@@ -1,0 +1,171 @@
+"""Generated answers, one policy at a time, kept in a resumable jsonl file.
+
+`answer_all` generates the prompts of each batch with one policy (`generate`),
+turns every completion into a record (the task's own function), and appends the
+records to the policy's file as soon as the batch finishes. Every record carries
+the run key: the settings its answer depends on. A rerun with the same key skips
+what is already there; a file that holds another key is refused, so results of
+different settings never mix. KV sizes come from the cache's own `stats()`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+import vasepatch
+from vasepatch.config import VaSEConfig
+
+
+class Completion(NamedTuple):
+    """One generated answer: tokens up to and including EOS, the real prompt length, whether
+    it hit `max_new_tokens`, and the KV bytes the cache held per sequence at the end."""
+
+    tokens: list[int]
+    prompt_tokens: int
+    truncated: bool
+    kv_bytes: float
+
+
+@dataclass(frozen=True)
+class Item:
+    """One prompt to answer: `ident` names its record, `fields` are copied into it."""
+
+    ident: Hashable
+    prompt: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How answers are generated: `sample_temperature` 0 is greedy."""
+
+    max_new_tokens: int
+    sample_temperature: float
+    top_p: float = 1.0
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        if self.sample_temperature == 0:
+            return {"do_sample": False, "max_new_tokens": self.max_new_tokens}
+        return {
+            "do_sample": True,
+            "temperature": self.sample_temperature,
+            "top_p": self.top_p,
+            "top_k": 0,
+            "max_new_tokens": self.max_new_tokens,
+        }
+
+
+def _eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return {eos} if isinstance(eos, int) else set(eos or [])
+
+
+def generate(model, tokenizer, config: VaSEConfig, prompts: list[str], decoding: Decoding, seed: int):
+    """Completions of a batch of chat prompts (left padded) with the cache `config`."""
+    from vasepatch.eval import data
+
+    ids, mask = data.encode(tokenizer, prompts)
+    torch.manual_seed(seed)
+    with vasepatch.patched(model, config=config) as handle, torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, pad_token_id=tokenizer.pad_token_id, **decoding.generate_kwargs()
+        )
+        kv_bytes = handle.stats()["kv_bytes"] / ids.shape[0]
+    eos = _eos_ids(model)
+    rows = []
+    for row, m in zip(out[:, ids.shape[1] :].tolist(), mask, strict=True):
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        truncated = end == len(row) and row[-1] not in eos
+        rows.append(Completion(row[:end], int(m.sum()), truncated, kv_bytes))
+    return rows
+
+
+def legacy_key(key: dict[str, Any]) -> dict[str, Any]:
+    """A run key written before the sampling temperature got its own name, in today's
+    terms: `temperature` was the sampling temperature and `score_temperature` the policies'
+    softmax temperature; the whole prompt was kept (`prefill="keep"`); `protect=None`
+    meant `budget // 4`."""
+    if "sample_temperature" in key or "temperature" not in key:
+        return key
+    key = dict(key)
+    key["sample_temperature"] = key.pop("temperature")
+    if "score_temperature" in key:
+        key["temperature"] = key.pop("score_temperature")
+    if "budget" in key:
+        key.setdefault("prefill", "keep")
+        if key.get("protect") is None:
+            key["protect"] = key["budget"] // 4
+    return key
+
+
+def _written_key(written: Any) -> dict[str, Any] | None:
+    try:
+        return legacy_key(json.loads(written))
+    except (TypeError, ValueError):
+        return None
+
+
+def load(path: Path, key: dict[str, Any], ident: Callable[[dict[str, Any]], Hashable]) -> dict[Hashable, dict]:
+    """The records of `path` by `ident(record)`; `ValueError` if one was written with another key."""
+    records: dict[Hashable, dict] = {}
+    if not path.is_file():
+        return records
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by an interruption: that item is run again
+        written = record.get("run")
+        if _written_key(written) != key:
+            raise ValueError(
+                f"{path} holds results of other settings ({written}); resume only with the same settings, "
+                "or choose another --out"
+            )
+        records[ident(record)] = record
+    return records
+
+
+@dataclass
+class PolicyRun:
+    """What one policy's answers need: its file, run key, cache config and decoding."""
+
+    path: Path
+    key: dict[str, Any]
+    config: VaSEConfig
+    decoding: Decoding
+    ident: Callable[[dict[str, Any]], Hashable]
+    make_record: Callable[[Item, Completion, str], dict[str, Any]]
+
+
+def answer_all(run: PolicyRun, model, tokenizer, batches: list[tuple[int, list[Item]]], bar=None) -> list[dict]:
+    """Answer every `(seed, items)` batch not answered yet; the records of all items, in order."""
+    run.path.parent.mkdir(parents=True, exist_ok=True)
+    done = load(run.path, run.key, run.ident)
+    for seed, items in batches:
+        todo = [item for item in items if item.ident not in done]
+        if todo:
+            completions = generate(model, tokenizer, run.config, [item.prompt for item in items], run.decoding, seed)
+            with open(run.path, "a") as f:
+                for item, completion in zip(items, completions, strict=True):
+                    if item.ident in done:
+                        continue
+                    text = tokenizer.decode(completion.tokens, skip_special_tokens=True)
+                    record = {
+                        **run.make_record(item, completion, text),
+                        "policy": run.config.policy,
+                        "kv_bytes": completion.kv_bytes,
+                        "run": json.dumps(run.key),
+                    }
+                    f.write(json.dumps(record) + "\n")
+                    done[item.ident] = record
+        if bar is not None:
+            bar.update(len(items))
+    return [done[item.ident] for _, items in batches for item in items]

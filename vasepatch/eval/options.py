@@ -1,0 +1,107 @@
+"""What the eval commands share: the cache settings (one `VaSEConfig`, its flags and its
+header), the policy names, and the software versions written beside each result.
+
+The cache settings of a run are one `VaSEConfig`; the config of each policy is
+`config.replace(policy=name)`. `full` (never evict) is a mode of the cache, so it
+needs nothing of its own: its buffer grows with the sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from vasepatch import policies
+from vasepatch.config import FULL, PREFILL_MODES, VaSEConfig
+
+
+def default_config() -> VaSEConfig:
+    """The eval commands' default cache settings (a seed is required: runs are reproducible)."""
+    return VaSEConfig(budget=256, window=64, seed=0)
+
+
+def known_policies() -> list[str]:
+    """`full` first, then every registered policy."""
+    return [FULL, *(name for name in policies.available() if name != FULL)]
+
+
+def parse_policies(text: str) -> list[str]:
+    """`"all"` -> `known_policies()`; otherwise the comma-separated names, in order."""
+    if text.strip() == "all":
+        return known_policies()
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def check_run(config: VaSEConfig, names: list[str]) -> None:
+    """Raise `ValueError` for unknown policy names or a config without a seed."""
+    if not isinstance(config, VaSEConfig):
+        raise ValueError(f"config must be a vasepatch.VaSEConfig, got {type(config).__name__}")
+    known = known_policies()
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(known)}")
+    if not names:
+        raise ValueError("policies must name at least one policy")
+    if config.seed is None:
+        raise ValueError("the eval needs a seeded config (seed=None would not be reproducible)")
+
+
+def cache_header(config: VaSEConfig) -> dict[str, Any]:
+    """The cache settings a run used, as written in its header (`protect` is the effective one)."""
+    return {
+        "budget": config.budget,
+        "window": config.window,
+        "protect": config.n_protect,
+        "sinks": config.sinks,
+        "temperature": config.temperature,
+        "smooth": config.smooth,
+        "prefill": config.prefill,
+        "seed": config.seed,
+    }
+
+
+def environment(model) -> dict[str, Any]:
+    """The model class and the torch / transformers versions of a run."""
+    import torch
+    import transformers
+
+    return {"model_class": type(model).__name__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def add_cache_arguments(p: argparse.ArgumentParser, defaults: VaSEConfig, policies_default: str) -> None:
+    """The flags of the cache settings (`VaSEConfig` fields) and `--policies`."""
+    p.add_argument("--policies", default=policies_default, help="comma-separated policy names, or 'all' (full first)")
+    p.add_argument("--budget", type=int, default=defaults.budget)
+    p.add_argument("--window", type=int, default=defaults.window)
+    p.add_argument("--protect", type=int, default=defaults.protect, help="protected slots (default budget // 4)")
+    p.add_argument("--sinks", type=int, default=defaults.sinks)
+    p.add_argument(
+        "--temperature",
+        "--score-temperature",
+        dest="temperature",
+        type=float,
+        default=defaults.temperature,
+        help="softmax temperature of the policies' attention scores (not the sampling temperature)",
+    )
+    p.add_argument("--smooth", type=int, default=defaults.smooth)
+    p.add_argument(
+        "--prefill",
+        choices=PREFILL_MODES,
+        default=defaults.prefill,
+        help="a prompt longer than the budget: compressed at prefill, or kept whole (the paper's setting)",
+    )
+    p.add_argument("--seed", type=int, default=defaults.seed)
+
+
+def cache_config(args: argparse.Namespace) -> VaSEConfig:
+    """The `VaSEConfig` of the parsed cache flags (validated)."""
+    return VaSEConfig(
+        budget=args.budget,
+        window=args.window,
+        protect=args.protect,
+        sinks=args.sinks,
+        temperature=args.temperature,
+        smooth=args.smooth,
+        prefill=args.prefill,
+        seed=args.seed,
+    )
