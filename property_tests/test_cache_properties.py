@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 
 from property_tests.strategies import CacheCase, cache_cases, make_values
-from tests.drive import step
+from tests.drive import step as drive_step
 from vasepatch import policies
 from vasepatch.cache import VaSELayer, schedule
 from vasepatch.config import VaSEConfig
@@ -130,7 +130,7 @@ def run(case: CacheCase, check=None, policy: str | None = None) -> Trace:
                 if real:
                     shadow[(row, next_pos[row])] = (k[row, :, i].clone(), v[row, :, i].clone())
                     next_pos[row] += 1
-        out, evicted = step(layer, k, v, q, mask)
+        out, evicted = drive_step(layer, k, v, q, mask)
         if not evictions:
             outputs.append(Step(out, q, mask[:, -q_len:].bool(), first_position))
         if evicted:

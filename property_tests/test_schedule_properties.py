@@ -3,6 +3,8 @@ by simulating the host counters of one layer over random token streams."""
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -52,7 +54,7 @@ def test_occupancy_stays_within_capacity_and_returns_to_budget(s, steps):
 def test_in_steady_state_evictions_come_every_window_tokens(s, steps):
     budget, window, prompt, prefill = s
     _, trace, evicting = _stream(budget, window, prompt, prefill, steps)
-    assert all(b - a == window for a, b in zip(evicting, evicting[1:]))
+    assert all(b - a == window for a, b in itertools.pairwise(evicting))
     if evicting:  # the first comes within one window of passing the budget
         assert evicting[0] < max(budget - trace[0], 0) + window
 

@@ -18,7 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from vasepatch.cache import Step, VaSELayer
 from vasepatch.integration import backends
-from vasepatch.integration.kernels import causal_padding_mask, grouped_attention
+from vasepatch.integration.kernels import causal_attention, causal_padding_mask, grouped_attention
 
 ATTN_IMPLEMENTATION = "vasepatch"
 LAYER_KWARG = "vasepatch_layer"
@@ -87,13 +87,16 @@ def attend(
 
     Varlen backends (`flash_attn`, `torch_varlen`): a decode step attends to each row's
     contiguous range of slots, and the first step (the prompt, eagerly) runs causal
-    attention on the unpadded new tokens. Everything else uses the masked grouped kernel
-    over the step's first `length` slots."""
+    attention on the unpadded new tokens. With `sdpa`, a first step without padding is
+    plain causal attention over its own tokens (no mask in memory). Everything else uses
+    the masked grouped kernel over the step's first `length` slots."""
     if backend in backends.VARLEN_BACKENDS:
         if step.q_len == 1:
             return backends.decode_attention(backend, query, step.keys, step.values, step.start(), step.end, scaling)
         if step.first:
             return backends.prefill_attention(backend, query, key, value, step.new_valid, scaling)
+    if step.first and step.q_len > 1 and backend == "sdpa" and bool(step.new_valid.all()):
+        return causal_attention(query, key, value, scaling)  # an unpadded prompt (one host sync per generation)
     n = step.length
     return grouped_attention(query, step.keys[:, :, :n], step.values[:, :, :n], step.mask(), scaling, _kernel(backend))
 

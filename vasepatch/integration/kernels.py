@@ -58,6 +58,17 @@ def grouped_attention(
     return _ungroup(out, query.shape[1])
 
 
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal SDPA over one unpadded sequence per row (query `[B, Hq, Q, D]`, key/value
+    `[B, Hkv, Q, D]`): the `is_causal` path, which needs no mask in memory. Returns
+    `[B, Q, Hq, D]`."""
+    g = query.shape[1] // key.shape[1]
+    if g > 1:  # GQA: repeat K/V for one layer's step (torch < 2.5 has no enable_gqa)
+        key, value = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
 def causal_padding_mask(padding: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """`[B or 1, 1, Q, S]` mask for a plain growing cache: causal with the queries at the
     end of the key sequence, padding keys hidden, and each query sees at least itself."""
