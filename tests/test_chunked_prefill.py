@@ -68,6 +68,15 @@ def test_chunked_prefill_of_a_long_prompt_never_exceeds_the_buffer(make_model, c
     assert all(torch.isfinite(x).all() for x in out.logits)
 
 
+def test_chunked_prefill_with_prefill_keep_is_refused_before_any_work(make_model):
+    model = make_model("llama")
+    ids, mask = ragged_batch(VOCAB, lengths=(30, 12))
+    with vasepatch.patched(model, budget=16, window=4, prefill="keep") as handle:
+        with pytest.raises(ValueError, match="prefill_chunk_size cannot be used with prefill='keep'"):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, prefill_chunk_size=8, pad_token_id=0)
+        assert handle.stats()["generations"] == 0
+
+
 def test_footprint_is_fixed_by_the_budget_whatever_the_prompt(make_model):
     model = make_model("llama")
     kv = {}

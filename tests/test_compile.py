@@ -89,6 +89,30 @@ def test_generate_auto_compiles_the_decode_step(make_model):
     assert not hasattr(model, "_compiled_call")  # the compiled call lived on the patch, now gone
 
 
+def test_generate_compile_route_with_chunked_prefill_and_the_full_mode(make_model):
+    """On an accelerator generate compiles every prefill chunk too: chunks run eagerly
+    (a chunk may need the overflow path, which a static graph cannot take), decode steps
+    compiled. The never-evicting mode grows its buffer, so it reports not compileable
+    and generate keeps it eager."""
+    model = make_model("llama")
+    ids, mask = ragged_batch(VOCAB, lengths=(40, 23, 9))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    with vasepatch.patched(model, budget=BUDGET, window=WINDOW, seed=0) as handle:
+        eager = model.generate(**kw, prefill_chunk_size=8)
+        counters.clear()
+        compiled = model.generate(**kw, prefill_chunk_size=8, compile_config=_auto_compile_config())
+        assert handle.stats()["capacity"] == BUDGET + WINDOW and handle.stats()["evictions"] >= 6
+        assert _graphs() == 1 and _breaks() == {}
+        full = handle.new_cache(vasepatch.VaSEConfig(budget=BUDGET, window=WINDOW, policy="full"))
+        assert not full.is_compileable
+        counters.clear()
+        grown = model.generate(**kw, compile_config=_auto_compile_config(), **{handle.cache_keyword: full})
+        assert _graphs() == 0 and full.stats()["capacity"] >= 40 + 24
+    assert torch.equal(compiled, eager)
+    with torch.no_grad():
+        assert torch.equal(grown, model.generate(**kw))  # full mode == the unpatched model
+
+
 def test_compiled_sampling_is_seeded_and_matches_eager(make_model):
     """Sampling (tokens and VaSE's stochastic eviction) is reproducible from the seeds."""
     model = make_model("qwen2")

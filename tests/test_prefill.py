@@ -95,6 +95,22 @@ def test_prefill_keep_keeps_the_prompt_and_refuses_a_later_step_that_does_not_fi
         step(layer, torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8))
 
 
+def test_prefill_keep_refusal_moves_nothing_and_reset_sizes_the_buffer_for_a_longer_prompt():
+    layer = _layer(budget=8, window=2, sinks=2, prefill="keep")
+    step(layer, torch.randn(1, 1, 12, 8), torch.randn(1, 1, 12, 8), torch.randn(1, 1, 12, 8))
+    before = (layer.next_position.clone(), int(layer.seen), int(layer.fill), layer.counters.tokens_seen)
+    with pytest.raises(RuntimeError, match="prefill='compress'"):
+        step(layer, torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8))
+    after = (layer.next_position, int(layer.seen), int(layer.fill), layer.counters.tokens_seen)
+    assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
+    step(layer, torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8))  # a fitting step works
+    assert layer.counters.tokens_seen == 14 == int(layer.seen) == int(layer.next_position[0])
+    evictions = layer.counters.evictions
+    layer.reset()
+    step(layer, torch.randn(1, 1, 30, 8), torch.randn(1, 1, 30, 8), torch.randn(1, 1, 30, 8))
+    assert layer.capacity == 32 and layer.counters.occupancy == 30 and layer.counters.evictions == evictions
+
+
 def test_full_mode_never_evicts_and_grows_like_a_dynamic_cache():
     layer = _layer(budget=8, window=2, sinks=2, policy="full")
     assert layer.policy is None

@@ -33,7 +33,8 @@ class VaSEConfig:
         sinks: tokens at absolute positions `< sinks` that are always kept.
         policy: name of a registered selection policy (`vasepatch.policies.available()`), or
             `"full"`: never evict (the uncompressed reference; its buffer grows with the
-            sequence like a `DynamicCache`, so `budget` only sizes its first allocation).
+            sequence, `window` slots past the need at a time, so `budget` only sizes its first
+            allocation).
         temperature: softmax temperature of the attention scores (> 0).
         smooth: width of the 1-D average pool applied to attention scores (1 = off).
         seed: seeds the sampling generator of each generation; `None` uses torch's

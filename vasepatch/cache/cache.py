@@ -14,7 +14,7 @@ class VaSECache(Cache):
     """A transformers `Cache` of `VaSELayer`s: what a patched model's `generate` uses.
 
     `policy=None` makes the never-evicting reference (`VaSEConfig(policy="full")`),
-    whose buffers grow with the sequence like a `DynamicCache`."""
+    whose buffers grow with the sequence, `window` slots past the need at a time."""
 
     def __init__(
         self,

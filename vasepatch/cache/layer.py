@@ -21,10 +21,10 @@ eagerly, after the compiled forward.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
 from vasepatch.cache import eviction, schedule
 from vasepatch.cache.counters import LayerCounters, SeededGenerator
+from vasepatch.cache.fixed_batch import FixedBatchLayer
 from vasepatch.cache.query_ring import QueryRing
 from vasepatch.cache.static import mark_static
 from vasepatch.cache.step import Step
@@ -32,12 +32,10 @@ from vasepatch.config import VaSEConfig
 from vasepatch.policies.base import Policy
 
 
-class VaSELayer(CacheLayerMixin):
+class VaSELayer(FixedBatchLayer):
     """Static KV buffers of one decoder layer with VaSE eviction (`policy=None`: never evict)."""
 
     is_compileable = True
-    is_croppable = False
-    is_sliding = False
 
     def __init__(
         self,
@@ -53,6 +51,9 @@ class VaSELayer(CacheLayerMixin):
         self.counters = counters if counters is not None else LayerCounters()
         self.ring = QueryRing(config.window)
         self.in_step = False  # set by the attention integration around a patched module's forward
+        # A never-evicting layer grows its buffer, which a compiled step cannot do: generate()
+        # then does not compile the decode step.
+        self.is_compileable = policy is not None
         self._pending = 0  # tokens appended by compiled steps whose host bookkeeping is due
 
     # --- allocation -------------------------------------------------------------------------
@@ -110,18 +111,40 @@ class VaSELayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         q_len = key_states.shape[-2]
         new_valid = self._new_valid(padding, q_len)
+        compiling = torch.compiler.is_compiling()
+        overflow = False if compiling else self._make_room(key_states, value_states)  # may raise: nothing moved yet
         counts = new_valid.long().cumsum(-1) if q_len > 1 else new_valid.long()
         new_pos = (self.next_position.unsqueeze(-1) + counts - 1).masked_fill_(~new_valid, -1)
         self.next_position += counts[:, -1]
         self.seen += q_len
-        if torch.compiler.is_compiling():  # static shapes: no host counter is read
+        if compiling:  # static shapes: no host counter is read
             return self._write(key_states, value_states, new_pos, new_valid, self.capacity, False)
-        occ, first = self.counters.occupancy, self.counters.tokens_seen == 0
-        if not schedule.fits(self.capacity, occ, q_len):
-            if self.policy is not None:
-                return self._overflow(key_states, value_states, new_pos, new_valid, first)
-            self._allocate(key_states, value_states, max(2 * self.capacity, occ + q_len + self.config.window))
-        return self._write(key_states, value_states, new_pos, new_valid, occ + q_len, first)
+        first = self.counters.tokens_seen == 0
+        if overflow:
+            return self._overflow(key_states, value_states, new_pos, new_valid, first)
+        return self._write(key_states, value_states, new_pos, new_valid, self.counters.occupancy + q_len, first)
+
+    def _make_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Eagerly, before a step moves anything: whether it must take the overflow path.
+        Grows the buffer where a mode allows it (never-evicting; `prefill="keep"` on the
+        first step after a `reset`), refuses a later step that `keep` cannot hold."""
+        cfg, occ, q_len = self.config, self.counters.occupancy, key_states.shape[-2]
+        if schedule.fits(self.capacity, occ, q_len):
+            return False
+        if self.policy is None:  # grow `window` slots past the need: a realloc every `window` tokens
+            self._allocate(key_states, value_states, occ + q_len + cfg.window)
+            return False
+        if cfg.prefill != schedule.KEEP:
+            return True
+        if self.counters.tokens_seen == 0:  # a longer prompt after reset(): size the buffer for it
+            self._allocate(key_states, value_states, schedule.capacity(cfg.budget, cfg.window, q_len, cfg.prefill))
+            return False
+        raise RuntimeError(
+            f"vasepatch cache overflow: {occ} slots in use + {q_len} new tokens > capacity {self.capacity}. "
+            "With prefill='keep' the buffer is sized by the first step; feed later multi-token steps at most "
+            "tokens_until_eviction() tokens at a time, or use prefill='compress', which compresses any step "
+            "that does not fit (e.g. prefill_chunk_size chunks)"
+        )
 
     def _new_valid(self, padding: torch.Tensor | None, q_len: int) -> torch.Tensor:
         if padding is None:
@@ -152,13 +175,6 @@ class VaSELayer(CacheLayerMixin):
         """A step longer than the free slots (a long prompt, a prefill chunk): attend over the
         occupied slots followed by the new tokens, held in temporaries until the step's
         eviction writes the kept ones into the buffer."""
-        if self.config.prefill == schedule.KEEP and not first:
-            raise RuntimeError(
-                f"vasepatch cache overflow: {self.counters.occupancy} slots in use + {k.shape[-2]} new tokens > "
-                f"capacity {self.capacity}. With prefill='keep' the buffer is sized by the first step; feed later "
-                "tokens at most tokens_until_eviction() at a time (generate() does), or use prefill='compress', "
-                "which compresses any step that does not fit (e.g. prefill_chunk_size chunks)"
-            )
         occ, q_len, h = self.counters.occupancy, k.shape[-2], self.num_heads
         pos = new_pos.unsqueeze(1).expand(-1, h, -1)
         val = new_valid.unsqueeze(1).expand(-1, h, -1)
@@ -178,7 +194,7 @@ class VaSELayer(CacheLayerMixin):
         """End of a step: advance the host counters and evict if the schedule says so.
         Under compilation both wait for `complete_step`, after the graph."""
         if torch.compiler.is_compiling():
-            self._pending += step.q_len
+            self._pending = step.q_len  # stored, not read: no guard on a host int
             return False
         return self._settle(step.q_len, step if step.overflow else None)
 
@@ -245,12 +261,6 @@ class VaSELayer(CacheLayerMixin):
             return self.capacity + query_length, 0
         return self.counters.tokens_seen + query_length, 0
 
-    def get_max_length(self) -> int:
-        return -1  # the sequence length is unbounded; the buffer is not
-
-    def get_max_cache_shape(self) -> int:  # what older 5.x releases call `get_max_length`
-        return self.get_max_length()
-
     def reset(self) -> None:
         if self.is_initialized:
             self.valid.zero_()
@@ -269,12 +279,3 @@ class VaSELayer(CacheLayerMixin):
         for t in (self.keys, self.values, self.positions, self.valid, self.next_position):
             t.copy_(t.index_select(0, beam_idx))
         self.ring.reorder(beam_idx)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("vasepatch caches cannot be cropped (evicted tokens are gone)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("vasepatch caches have a fixed batch size; expand inputs before the prefill")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("vasepatch caches have a fixed batch size")

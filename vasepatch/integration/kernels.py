@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from packaging.version import Version
 
 KERNELS = ("sdpa", "eager")
+_HAS_GQA = Version(torch.__version__.split("+")[0]) >= Version("2.5")  # SDPA's enable_gqa
 
 
 def _group(query: torch.Tensor, mask: torch.Tensor, h_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,9 +65,10 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     `[B, Hkv, Q, D]`): the `is_causal` path, which needs no mask in memory. Returns
     `[B, Q, Hq, D]`."""
     g = query.shape[1] // key.shape[1]
-    if g > 1:  # GQA: repeat K/V for one layer's step (torch < 2.5 has no enable_gqa)
+    if g > 1 and not _HAS_GQA:  # torch < 2.5: repeat K/V (one layer's step at a time)
         key, value = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    gqa = {"enable_gqa": True} if g > 1 and _HAS_GQA else {}
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, **gqa)
     return out.transpose(1, 2).contiguous()
 
 

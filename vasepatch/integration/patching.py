@@ -268,6 +268,11 @@ def _apply(model: torch.nn.Module, layout: ModelLayout, handle: PatchHandle, und
     def _prepare_cache_for_generation(generation_config, model_kwargs, *args: Any, **kwargs: Any):
         user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         wants_default = generation_config.cache_implementation in (None, "dynamic")
+        if getattr(generation_config, "prefill_chunk_size", None) and handle.config.prefill == "keep":
+            raise ValueError(
+                "prefill_chunk_size cannot be used with prefill='keep': that buffer is sized by the first "
+                "step, so a chunked prompt would not be kept whole; use prefill='compress' (the default)"
+            )
         if user_cache is None and generation_config.use_cache is not False and wants_default:
             model_kwargs[cache_kw] = handle.new_cache()
             return None
@@ -316,6 +321,8 @@ def _install_compile_support(model: torch.nn.Module, undo: list[Callable[[], Non
         forward = compiled["forward"]
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if _multi_token(args, kwargs):  # prefill chunks may need the eager overflow path
+                return model(*args, **kwargs)
             out = forward(*args, **kwargs)
             _complete_step(model, args, kwargs, out)
             return out
@@ -340,6 +347,15 @@ def _install_compile_support(model: torch.nn.Module, undo: list[Callable[[], Non
         return default_masks(*args, **kwargs)
 
     _set_instance_attr(model, "create_masks_for_generate", create_masks_for_generate, undo)
+
+
+def _multi_token(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a forward's inputs hold more than one token per row."""
+    x = kwargs.get("input_ids", args[0] if args else None)
+    if x is None:
+        x = kwargs.get("inputs_embeds")
+        return x is not None and x.shape[1] > 1
+    return x.shape[-1] > 1
 
 
 def _compile_config_class() -> type:
