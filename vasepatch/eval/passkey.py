@@ -111,6 +111,7 @@ def run(settings: TaskSettings, model, tokenizer) -> list[Path]:
     title = "Pass-key retrieval accuracy"
     tables = {"by_depth": (by_depth, DEPTH_COLUMNS)}
     header = settings.header(model)
-    return report.write(
-        Path(settings.out), TASK, header, results, COLUMNS, title, plots.passkey_plot(by_depth), tables=tables
-    )
+    cfg = settings.config
+    figure = f"Pass-key retrieval, {settings.model}, budget {cfg.budget}, window {cfg.window} (prefill={cfg.prefill})"
+    plot = plots.passkey_plot(by_depth, figure)
+    return report.write(Path(settings.out), TASK, header, results, COLUMNS, title, plot, tables=tables)

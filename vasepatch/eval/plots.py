@@ -98,22 +98,31 @@ def task_plot(results: list[dict[str, Any]]) -> Plot:
     return plot
 
 
-def passkey_plot(by_depth: list[dict[str, Any]]) -> Plot:
-    """Accuracy against the key's depth: one line per policy, one panel per context length."""
+MARKERS = ("o", "s", "^", "v", "D", "P", "X")
+DASHES = ("-", "--", ":", "-.")
+
+
+def passkey_plot(by_depth: list[dict[str, Any]], title: str = "") -> Plot:
+    """Accuracy against the key's depth: one line per policy (each its own marker and dash,
+    nudged sideways so that coinciding lines stay visible), one panel per context length."""
 
     def plot(path: Path) -> None:
         import matplotlib.pyplot as plt
 
         lengths = sorted({r["context_length"] for r in by_depth})
         names = list(dict.fromkeys(r["policy"] for r in by_depth))
-        fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), sharey=True, squeeze=False)
+        fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4.3), sharey=True, squeeze=False)
         for ax, length in zip(axes[0], lengths, strict=True):
-            for name in names:
+            for i, name in enumerate(names):
                 rows = [r for r in by_depth if r["policy"] == name and r["context_length"] == length]
-                ax.plot([r["depth"] for r in rows], [100 * r["accuracy"] for r in rows], marker="o", label=name)
+                nudge = (i - (len(names) - 1) / 2) * 0.01
+                style = dict(marker=MARKERS[i % len(MARKERS)], linestyle=DASHES[i % len(DASHES)], label=name)
+                ax.plot([r["depth"] + nudge for r in rows], [100 * r["accuracy"] for r in rows], **style)
             ax.set(title=f"{length} tokens", xlabel="depth of the key (0 = start, 1 = end)", ylim=(-5, 105))
         axes[0][0].set(ylabel="accuracy (%)")
         axes[0][-1].legend(fontsize=8)
+        if title:
+            fig.suptitle(title)
         _save(fig, path)
 
     return plot
