@@ -153,3 +153,16 @@ def test_passkey_cli_end_to_end_and_resume(model_dir, tmp_path, monkeypatch):
     assert cli.main([*args, "--context-lengths", "450"]) == 0  # a subset of the lengths: nothing to generate
     with pytest.raises(ValueError, match="other settings"):
         cli.main([*args, "--depths", "0,1"])
+
+
+def test_fewer_samples_than_depths_leave_no_nan_in_the_summary():
+    """With 4 samples over 5 depths one depth gets none: it gets no row, not a NaN."""
+    settings = TaskSettings(task="passkey", context_lengths=[300], samples=4, depths=[0, 0.25, 0.5, 0.75, 1])
+    records = [
+        {"context_length": 300, "depth": d, "correct": i % 2 == 0, "prompt_tokens": 300, "kv_bytes": 1.0}
+        for i, d in enumerate([0, 0.25, 0.5, 0.75])
+    ]
+    rows, by_depth = passkey.summarise("vase", records, settings)
+    assert rows[0]["n"] == 4 and rows[0]["accuracy"] == 0.5
+    assert [r["depth"] for r in by_depth] == [0, 0.25, 0.5, 0.75]
+    assert "NaN" not in json.dumps([*rows, *by_depth])

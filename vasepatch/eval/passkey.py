@@ -90,6 +90,8 @@ def summarise(name: str, records: list[dict[str, Any]], settings: TaskSettings):
         )
         for depth in dict.fromkeys(settings.depths):
             there = [r for r in at if r["depth"] == depth]
+            if not there:  # fewer samples than depths: no row rather than a NaN (not valid JSON)
+                continue
             row = {"policy": name, "context_length": length, "depth": depth}
             by_depth.append({**row, "accuracy": _accuracy(there)[0], "n": len(there)})
     return rows, by_depth
