@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vasepatch import policies
-from vasepatch.config import FULL, VaSEConfig
+from vasepatch.config import VaSEConfig
 
 BASELINES = ("dense", "static", "kvpress")
 COMPILE_SUFFIX = "+compile"
@@ -15,12 +15,6 @@ DEFAULT_METHODS = ("dense", "static", "vase", "vase-dkv", "snapkv")
 DTYPES = ("float32", "bfloat16", "float16")
 MASKS = ("auto", "ones", "none")
 ISOLATION = ("auto", "process", "none")
-
-
-def cache_policies() -> list[str]:
-    """Every `VaSEConfig.policy` a vasepatch method may name: the registered policies and the
-    never-evicting mode."""
-    return sorted({*policies.available(), FULL})
 
 
 @dataclass(frozen=True)
@@ -40,7 +34,7 @@ class MethodSpec:
     def parse(cls, name: str) -> MethodSpec:
         """`"vase+compile"` -> `MethodSpec("vase+compile", "vase", True)`; unknown bases are an error."""
         base = name.removesuffix(COMPILE_SUFFIX)
-        known = [*BASELINES, *cache_policies()]
+        known = [*BASELINES, *policies.config_names()]
         if base not in known:
             raise ValueError(
                 f"methods: unknown method {name!r}; known: {', '.join(known)} (each optionally with {COMPILE_SUFFIX})"

@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from vasepatch import policies
-from vasepatch.config import FULL, PREFILL_MODES, VaSEConfig
+from vasepatch.config import PREFILL_MODES, VaSEConfig
 
 
 def default_config() -> VaSEConfig:
@@ -20,15 +20,10 @@ def default_config() -> VaSEConfig:
     return VaSEConfig(budget=256, window=64, seed=0)
 
 
-def known_policies() -> list[str]:
-    """`full` first, then every registered policy."""
-    return [FULL, *(name for name in policies.available() if name != FULL)]
-
-
 def parse_policies(text: str) -> list[str]:
-    """`"all"` -> `known_policies()`; otherwise the comma-separated names, in order."""
+    """`"all"` -> `policies.config_names()` (`full` first); otherwise the comma-separated names, in order."""
     if text.strip() == "all":
-        return known_policies()
+        return policies.config_names()
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
@@ -36,7 +31,7 @@ def check_run(config: VaSEConfig, names: list[str]) -> None:
     """Raise `ValueError` for unknown policy names or a config without a seed."""
     if not isinstance(config, VaSEConfig):
         raise ValueError(f"config must be a vasepatch.VaSEConfig, got {type(config).__name__}")
-    known = known_policies()
+    known = policies.config_names()
     unknown = [name for name in names if name not in known]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(known)}")

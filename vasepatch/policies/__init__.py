@@ -67,6 +67,12 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def config_names() -> list[str]:
+    """Every name `VaSEConfig.policy` accepts: `"full"` (the cache's never-evict mode) first,
+    then the registered policies."""
+    return [FULL, *available()]
+
+
 def get(name: str, **options: Any) -> Policy:
     """Build the policy registered under `name` with `options`, checked now (ValueError naming
     the option and what it accepts). The common options (`COMMON_OPTIONS`) reach only the
@@ -109,6 +115,7 @@ __all__ = [
     "INPUTS",
     "Policy",
     "available",
+    "config_names",
     "dkv",
     "for_config",
     "get",
