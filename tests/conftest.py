@@ -43,3 +43,22 @@ def ragged_batch(vocab: int = 128, lengths=(12, 7, 3), seed: int = 0) -> tuple[t
         ids[row, width - n :] = torch.randint(1, vocab, (n,), generator=g)
         mask[row, width - n :] = 1
     return ids, mask
+
+
+def greedy_with_logits(model, ids: torch.Tensor, mask: torch.Tensor, steps: int, **kwargs):
+    """`generate` `steps` greedy tokens from a padded batch, keeping every step's logits."""
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=steps,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **kwargs,
+    )
+
+
+def max_logit_diff(a, b) -> float:
+    """Max |difference| between the per-step logits of two `greedy_with_logits` outputs."""
+    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))

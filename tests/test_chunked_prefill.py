@@ -7,27 +7,10 @@ import pytest
 import torch
 
 import vasepatch
-from tests.conftest import ragged_batch
+from tests.conftest import greedy_with_logits, max_logit_diff, ragged_batch
 from tests.tiny_models import FAMILIES, VOCAB
 
 TOL = 1e-5
-
-
-def _generate(model, ids, mask, steps=24, **kw):
-    return model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=steps,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        **kw,
-    )
-
-
-def _max_diff(a, b) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -36,11 +19,11 @@ def test_chunked_prefill_equals_unchunked_when_nothing_is_evicted(make_model, fa
     model = make_model(family)
     ids, mask = ragged_batch(VOCAB, lengths=(13, 7, 3))
     with torch.no_grad(), vasepatch.patched(model, budget=64, window=8) as handle:
-        ref = _generate(model, ids, mask)
-        out = _generate(model, ids, mask, prefill_chunk_size=chunk)
+        ref = greedy_with_logits(model, ids, mask, 24)
+        out = greedy_with_logits(model, ids, mask, 24, prefill_chunk_size=chunk)
         assert handle.stats()["evictions"] == 0
     assert torch.equal(ref.sequences, out.sequences)
-    assert _max_diff(ref, out) <= TOL
+    assert max_logit_diff(ref, out) <= TOL
 
 
 class _OccupancyProbe:
@@ -57,7 +40,7 @@ def test_chunked_prefill_of_a_long_prompt_never_exceeds_the_buffer(make_model, c
     ids, mask = ragged_batch(VOCAB, lengths=(70, 52, 9), seed=1)
     with torch.no_grad(), vasepatch.patched(model, budget=24, window=8, seed=0) as handle:
         probe = _OccupancyProbe(model, handle)
-        out = _generate(model, ids, mask, steps=20, prefill_chunk_size=chunk)
+        out = greedy_with_logits(model, ids, mask, 20, prefill_chunk_size=chunk)
         probe.hook.remove()
         stats = handle.stats()
     n_prefill = -(-ids.shape[1] // chunk)
@@ -103,8 +86,8 @@ def test_compressed_prefill_logits_are_exact(make_model):
     model = make_model("mistral")
     ids, mask = ragged_batch(VOCAB, lengths=(80, 41, 17))
     with torch.no_grad():
-        ref = _generate(model, ids, mask, steps=1)
+        ref = greedy_with_logits(model, ids, mask, 1)
         with vasepatch.patched(model, budget=16, window=4) as handle:
-            out = _generate(model, ids, mask, steps=1)
+            out = greedy_with_logits(model, ids, mask, 1)
             assert handle.stats()["evictions"] == 1 and handle.stats()["capacity"] == 20
-    assert _max_diff(ref, out) <= TOL
+    assert max_logit_diff(ref, out) <= TOL

@@ -6,23 +6,11 @@ import pytest
 import torch
 
 import vasepatch
-from tests.conftest import ragged_batch
+from tests.conftest import greedy_with_logits, max_logit_diff, ragged_batch
 from tests.tiny_models import FAMILIES, VOCAB
 
 TOL = 1e-5
 DECODE_STEPS = 72
-
-
-def _generate(model, ids, mask, steps):
-    return model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=steps,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -31,12 +19,12 @@ def test_generate_parity_ragged_batch(make_model, family, kv_heads):
     model = make_model(family, kv_heads=kv_heads)
     ids, mask = ragged_batch(VOCAB)
     with torch.no_grad():
-        ref = _generate(model, ids, mask, DECODE_STEPS)
+        ref = greedy_with_logits(model, ids, mask, DECODE_STEPS)
         with vasepatch.patched(model, budget=256, window=16) as handle:
-            out = _generate(model, ids, mask, DECODE_STEPS)
+            out = greedy_with_logits(model, ids, mask, DECODE_STEPS)
     assert handle.stats()["evictions"] == 0
     assert len(out.logits) == DECODE_STEPS
-    diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits, strict=True))
+    diff = max_logit_diff(ref, out)
     assert diff <= TOL, f"{family}: max |logit diff| {diff:.3g}"
     assert torch.equal(ref.sequences, out.sequences)
 
@@ -58,11 +46,11 @@ def test_kernel_follows_the_model_attention_implementation(make_model, attn):
     model = make_model("qwen3", attn=attn)
     ids, mask = ragged_batch(VOCAB)
     with torch.no_grad():
-        ref = _generate(model, ids, mask, 16)
+        ref = greedy_with_logits(model, ids, mask, 16)
         with vasepatch.patched(model, budget=128, window=8):
             assert model.model.layers[0].self_attn.config._vasepatch_backend == attn
-            out = _generate(model, ids, mask, 16)
-    diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits, strict=True))
+            out = greedy_with_logits(model, ids, mask, 16)
+    diff = max_logit_diff(ref, out)
     assert diff <= TOL
 
 
