@@ -39,12 +39,9 @@ MODES = ("dense", "keep", "compress", "chunked", "short")
 MIB = 2**20
 
 
-def _hwm_bytes() -> int:
-    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
-
-
-def _rss_bytes() -> int:
-    return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+def _status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (`VmHWM`: peak RSS, `VmRSS`: RSS now), in bytes."""
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
 def _reset_hwm() -> None:
@@ -69,7 +66,7 @@ class _PrefillWatch:
 
     def _post(self, module, args, kwargs, output):
         if self._multi:
-            self.end_time, self.hwm = time.perf_counter(), _hwm_bytes()
+            self.end_time, self.hwm = time.perf_counter(), _status_bytes("VmHWM")
 
 
 def _kv_bytes(out, handle) -> int:
@@ -97,7 +94,7 @@ def worker(mode: str, prompt: int, budget: int, window: int, new: int, threads: 
         handle = vasepatch.patch(model, budget=budget, window=window, seed=0, prefill=prefill)
     extra = {"prefill_chunk_size": 256} if mode == "chunked" else {}
     watch = _PrefillWatch(model)
-    rss_loaded = _rss_bytes()
+    rss_loaded = _status_bytes("VmRSS")
     _reset_hwm()
     start = time.perf_counter()
     with torch.no_grad():
@@ -122,7 +119,7 @@ def worker(mode: str, prompt: int, budget: int, window: int, new: int, threads: 
         "evictions": stats.get("evictions"),
         "rss_loaded_bytes": rss_loaded,
         "peak_rss_prefill_bytes": watch.hwm,
-        "peak_rss_overall_bytes": _hwm_bytes(),
+        "peak_rss_overall_bytes": _status_bytes("VmHWM"),
         "prefill_s": watch.end_time - start,
         "total_s": total,
     }
