@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from tests.conftest import ragged_batch
 from tests.tiny_models import VOCAB, tiny_config
 from tests.tiny_tokenizer import tiny_tokenizer
 from vasepatch import VaSEConfig, cli, policies
-from vasepatch.eval import answers, data, options, task
+from vasepatch.eval import answers, data, fidelity, options, progress, task
 from vasepatch.eval.forcing import prompt_positions, teacher_force
 
 # K and V bytes per slot (row, all layers and KV heads) of the tiny fp32 Qwen3 the CLI tests save
@@ -112,12 +115,12 @@ def tiny_dir(tmp_path, make_model):
     return tmp_path
 
 
-def test_eval_fidelity_cli_end_to_end(tiny_dir):
+def test_eval_fidelity_cli_end_to_end(tiny_dir, capsys):
     out = tiny_dir / "fid"
     args = ["eval", "fidelity", "--model", str(tiny_dir / "model"), "--prompts", "gsm8k:3", "--tokens", "40",
             "--budget", "16", "--window", "4", "--policies", "snapkv,full,vase,streaming", "--batch-size", "2",
             "--data-dir", str(tiny_dir / "data"), "--out", str(out)]  # fmt: skip
-    assert cli.main(args) == 0
+    assert cli.run(args) == 0
     result = json.loads((out / "fidelity.json").read_text())
     rows = {r["policy"]: r for r in result["results"]}
     assert list(rows) == ["full", "snapkv", "vase", "streaming"]  # the reference first, wherever it was asked
@@ -133,7 +136,17 @@ def test_eval_fidelity_cli_end_to_end(tiny_dir):
     assert rows["full"]["kv_bytes"] >= (89 + 39) * PER_SLOT  # every prompt (89 tokens) and reference token fed
     header = result["config"]
     assert header["sample_temperature"] == 0.8 and header["protect"] == 4 and header["policies"] == list(rows)
+    assert header["batch_size"] == 2 and header["n_prompts"] == 3
     assert (out / "fidelity.md").read_text().count("\n|") >= 5 and (out / "fidelity.png").stat().st_size > 0
+    printed = capsys.readouterr()
+    # the results table at the end, one aligned row per policy, and the files written
+    table = printed.out[printed.out.index("Fidelity to the full cache") :]
+    assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")][1:] == list(rows)
+    assert "protect=4" in table and "protect=None" not in table and str(out / "fidelity.png") in table
+    # the progress bar names the policy and the work, counts prompts and shows tok/s
+    for label in ("full · reference", "4 policies · teacher forcing", "vase · free run", "streaming · free run"):
+        assert label in printed.err
+    assert re.search(r"prompt/s|s/prompt", printed.err) and "tok/s" in printed.err and "kv_mib" in table
 
 
 def test_eval_probe_cli(tiny_dir):
@@ -149,20 +162,22 @@ def test_eval_probe_cli(tiny_dir):
     out = tiny_dir / "probe-out"
     args = ["eval", "fidelity", "--model", str(tiny_dir / "model"), "--probe", str(path), "--budget", "16",
             "--window", "4", "--policies", "snapkv,vase", "--seeds", "2", "--out", str(out)]  # fmt: skip
-    assert cli.main(args) == 0
-    rows = {r["policy"]: r for r in json.loads((out / "probe.json").read_text())["results"]}
+    assert cli.run(args) == 0
+    result = json.loads((out / "probe.json").read_text())
+    rows = {r["policy"]: r for r in result["results"]}
+    assert result["config"]["longest_sequence"] == 50 and result["config"]["compression"] == round(50 / 16, 2)
     assert rows["full"]["top1_agreement"] == 1
     assert rows["snapkv"]["reference_implementation"] == 0.5 and rows["vase"]["reference_implementation"] is None
     assert len(rows["vase"]["top1_seeds"]) == 2
     assert rows["snapkv"]["top1_seeds"][0] == rows["snapkv"]["top1_seeds"][1]  # deterministic
 
 
-def test_eval_task_cli_end_to_end_and_resume(tiny_dir, monkeypatch):
+def test_eval_task_cli_end_to_end_and_resume(tiny_dir, monkeypatch, capsys):
     out = tiny_dir / "task"
-    args = ["eval", "task", "--task", "gsm8k", "--model", str(tiny_dir / "model"), "--limit", "3", "--policies",
+    args = ["eval", "task", "--task", "gsm8k", "--model", str(tiny_dir / "model"), "--limit", "5", "--policies",
             "full,vase", "--budget", "16", "--window", "4", "--samples", "2", "--max-new-tokens", "24",
-            "--batch-size", "4", "--data-dir", str(tiny_dir / "data"), "--out", str(out)]  # fmt: skip
-    assert cli.main(args) == 0
+            "--batch-size", "8", "--data-dir", str(tiny_dir / "data"), "--out", str(out)]  # fmt: skip
+    assert cli.run(args) == 0
     result = json.loads((out / "gsm8k.json").read_text())
     header, rows = result["config"], {r["policy"]: r for r in result["results"]}
     assert set(rows) == {"full", "vase"}
@@ -174,7 +189,15 @@ def test_eval_task_cli_end_to_end_and_resume(tiny_dir, monkeypatch):
     assert rows["full"]["kv_bytes"] >= 89 * PER_SLOT
     assert header["protect"] == 4 and header["sample_temperature"] == 0.6 and header["temperature"] == 1.0
     assert header["prefill"] == "compress" and "score_temperature" not in header
-    records = [json.loads(x) for x in (out / "gsm8k-vase.jsonl").read_text().splitlines()]
+    # what was used, not the flags: 3 problems (of --limit 5), batches of 6 answers (of --batch-size 8)
+    assert header["problems"] == 3 and header["batch_size"] == 6
+    longest = max(r["prompt_tokens"] + r["n_tokens"] for p in ("full", "vase") for r in _records(out, p))
+    assert header["longest_sequence"] == longest and header["compression"] == round(longest / 16, 2)
+    printed = capsys.readouterr()
+    assert "Accuracy on gsm8k" in printed.out and "| vase " in printed.out and "batch_size=6" in printed.out
+    assert "full · gsm8k" in printed.err and "vase · gsm8k" in printed.err and "tok/s" in printed.err
+    assert re.search(r"answer/s|s/answer", printed.err)
+    records = _records(out, "vase")
     assert sorted((r["id"], r["sample"]) for r in records) == [(str(i), s) for i in range(3) for s in range(2)]
     assert all(r["answer"] == str(2 * int(r["id"])) for r in records)
 
@@ -183,12 +206,16 @@ def test_eval_task_cli_end_to_end_and_resume(tiny_dir, monkeypatch):
         raise AssertionError("resumed run generated again")
 
     monkeypatch.setattr(answers, "generate", fail)
-    assert cli.main(args) == 0
+    assert cli.run(args) == 0
     assert json.loads((out / "gsm8k.json").read_text())["results"] == result["results"]
     # other settings never mix with old records
     for other in (["--budget", "20"], ["--prefill", "keep"], ["--temperature", "0.5"], ["--sample-temperature", "0"]):
         with pytest.raises(ValueError, match="other settings"):
-            cli.main([*args, *other])
+            cli.run([*args, *other])
+
+
+def _records(out, policy: str) -> list[dict]:
+    return [json.loads(x) for x in (out / f"gsm8k-{policy}.jsonl").read_text().splitlines()]
 
 
 def test_records_written_before_the_rename_still_resume(tmp_path):
@@ -234,10 +261,65 @@ def test_cache_flags_make_one_config_and_policy_names():
 
 def test_eval_rejects_bad_settings_before_loading(tiny_dir):
     with pytest.raises(ValueError, match="unknown policies"):
-        cli.main(["eval", "task", "--policies", "vase,nope", "--model", "/nonexistent"])
+        cli.run(["eval", "task", "--policies", "vase,nope", "--model", "/nonexistent"])
     with pytest.raises(ValueError, match="window must be smaller than budget"):
-        cli.main(["eval", "fidelity", "--budget", "8", "--window", "8", "--model", "/nonexistent"])
+        cli.run(["eval", "fidelity", "--budget", "8", "--window", "8", "--model", "/nonexistent"])
     with pytest.raises(ValueError, match="depths must lie in"):
-        cli.main(["eval", "task", "--task", "passkey", "--depths", "0,1.5", "--model", "/nonexistent"])
+        cli.run(["eval", "task", "--task", "passkey", "--depths", "0,1.5", "--model", "/nonexistent"])
     with pytest.raises(ValueError, match="seeded config"):
         task.TaskSettings(config=VaSEConfig(budget=64, window=8))
+
+
+@pytest.mark.parametrize("command", ["fidelity", "task"])
+def test_help_shows_every_default(command):
+    module = {"fidelity": fidelity, "task": task}[command]
+    parser = argparse.ArgumentParser(prog=f"vasepatch eval {command}")  # no formatter: add_arguments sets it
+    module.add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.default is None or isinstance(action, argparse._HelpAction):
+            continue
+        shown = ",".join(map(str, action.default)) if isinstance(action.default, list) else str(action.default)
+        assert f"(default: {shown})" in text, action.dest
+    assert "(default: budget // 4)" in text and "(default: None)" not in text
+
+
+def _missing_model_should_not_load(monkeypatch):
+    from vasepatch import models
+
+    def fail(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(models, "load", fail)
+
+
+def test_bad_data_fails_before_the_model_loads(tmp_path, monkeypatch):
+    _missing_model_should_not_load(monkeypatch)
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text('{"question": "q"}\n{"question": \n')
+    bad = str(tmp_path)
+    with pytest.raises(data.DataError, match=r"test.jsonl:2"):
+        cli.run(["eval", "task", "--task", "gsm8k", "--data-dir", bad, "--out", str(tmp_path / "o")])
+    with pytest.raises(data.DataError, match=r"test.jsonl:2"):
+        cli.run(["eval", "fidelity", "--prompts", "gsm8k:2", "--data-dir", bad, "--out", str(tmp_path / "o")])
+    with pytest.raises(data.DataError, match="does not exist"):
+        cli.run(["eval", "fidelity", "--data-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"prompt_ids": [1, 2], "reference_tokens": [3], "dense_predictions": []}))
+    with pytest.raises(data.DataError, match="'dense_predictions' must be a non-empty list"):
+        cli.run(["eval", "fidelity", "--probe", str(probe), "--out", str(tmp_path / "o")])
+    with pytest.raises(data.DataNotFoundError, match="no such file"):
+        cli.run(["eval", "fidelity", "--probe", str(tmp_path / "nope.json"), "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_eval_extras_fail_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    _missing_model_should_not_load(monkeypatch)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tqdm" else real(name, *a))
+    for command in (["fidelity"], ["task", "--task", "passkey"]):
+        with pytest.raises(progress.MissingExtraError, match=r'tqdm, not installed: pip install "vasepatch\[eval\]"'):
+            cli.run(["eval", *command, "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit) as exit_:  # the command line: one line, no traceback
+        cli.main(["eval", "fidelity", "--out", str(tmp_path / "o")])
+    assert exit_.value.code == 2 and 'pip install "vasepatch[eval]"' in capsys.readouterr().err

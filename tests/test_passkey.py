@@ -114,15 +114,20 @@ def test_passkey_grading(output, extracted, correct):
     assert grading.grade("passkey", output, "12345") == (extracted, correct)
 
 
-def test_passkey_cli_end_to_end_and_resume(model_dir, tmp_path, monkeypatch):
+def test_passkey_cli_end_to_end_and_resume(model_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "passkey"
     args = ["eval", "task", "--task", "passkey", "--model", str(model_dir), "--context-lengths", "300,450",
             "--depths", "0,0.5,1", "--samples", "4", "--policies", "full,vase,streaming", "--budget", "32",
-            "--window", "8", "--max-new-tokens", "6", "--batch-size", "3", "--out", str(out)]  # fmt: skip
-    assert cli.main(args) == 0
+            "--window", "8", "--max-new-tokens", "6", "--batch-size", "5", "--out", str(out)]  # fmt: skip
+    assert cli.run(args) == 0
     result = json.loads((out / "passkey.json").read_text())
     header, rows = result["config"], result["results"]
     assert header["sample_temperature"] == 0.0 and header["max_new_tokens"] == 6 and header["protect"] == 8
+    assert header["batch_size"] == 4  # what ran: a batch holds the 4 prompts of one length, not the 5 asked
+    printed = capsys.readouterr()
+    assert "Pass-key retrieval accuracy" in printed.out and printed.out.count("| streaming ") == 2
+    assert "vase · passkey" in printed.err and "tok/s" in printed.err
+    assert re.search(r"prompt/s|s/prompt", printed.err)
     assert header["context_lengths"] == [300, 450] and header["depths"] == [0.0, 0.5, 1.0]
     assert [(r["policy"], r["context_length"]) for r in rows] == [
         (p, n) for p in ("full", "vase", "streaming") for n in (300, 450)
@@ -148,11 +153,11 @@ def test_passkey_cli_end_to_end_and_resume(model_dir, tmp_path, monkeypatch):
         raise AssertionError("resumed run generated again")
 
     monkeypatch.setattr(answers, "generate", fail)
-    assert cli.main(args) == 0  # everything is there
+    assert cli.run(args) == 0  # everything is there
     assert json.loads((out / "passkey.json").read_text())["results"] == rows
-    assert cli.main([*args, "--context-lengths", "450"]) == 0  # a subset of the lengths: nothing to generate
+    assert cli.run([*args, "--context-lengths", "450"]) == 0  # a subset of the lengths: nothing to generate
     with pytest.raises(ValueError, match="other settings"):
-        cli.main([*args, "--depths", "0,1"])
+        cli.run([*args, "--depths", "0,1"])
 
 
 def test_fewer_samples_than_depths_leave_no_nan_in_the_summary():

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from vasepatch.eval import style
 from vasepatch.eval.report import markdown_table
 
 
@@ -88,20 +89,16 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _plot(result: dict[str, Any], path: Path, panels: list[tuple[str, str, bool]]) -> None:
-    """One row per `(key, label, y from zero)` of `panels`, one column per batch size, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    batches = result["settings"]["batch"]
-    lengths = result["settings"]["tokens"]
+def figure(result: dict[str, Any], panels: list[tuple[str, str, bool]], what: str):
+    """One row per `(key, label, memory)` of `panels` (memory axes start at zero), one column per
+    batch size, one styled line per method; titled with the model, budget and compression."""
+    s = result["settings"]
     methods = list(dict.fromkeys(r["method"] for r in result["results"]))
-    fig, axes = plt.subplots(len(panels), len(batches), figsize=(5.5 * len(batches), 3.8 * len(panels)), squeeze=False)
-    for col, batch in enumerate(batches):
-        for row, (key, label, from_zero) in enumerate(panels):
+    fig, axes = style.subplots(len(panels), len(s["batch"]), panel=(5.5, 3.8))
+    for col, batch in enumerate(s["batch"]):
+        for row, (key, label, memory) in enumerate(panels):
             ax = axes[row][col]
+            curves = []
             for method in methods:
                 pts = [
                     (r["length"], r[key])
@@ -109,18 +106,30 @@ def _plot(result: dict[str, Any], path: Path, panels: list[tuple[str, str, bool]
                     if r["batch"] == batch and r["method"] == method and r[key] is not None
                 ]
                 if pts:
-                    xs, ys = zip(*pts, strict=True)
-                    ax.plot(xs, ys, marker="o", label=method)
+                    curves.append((method, [x for x, _ in pts], [y for _, y in pts]))
+            style.lines(ax, curves)
             ax.set_xscale("log", base=2)
-            ax.set_xticks(lengths, [str(n) for n in lengths])
+            ax.set_xticks(s["tokens"], [str(n) for n in s["tokens"]])
             ax.set(xlabel="generated tokens", ylabel=label, title=f"batch {batch}")
-            if from_zero:
+            if memory:
+                style.memory_axis(ax, label)
+            else:
                 ax.set_ylim(bottom=0)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    tokens = [float(s["prompt_len"] + n) for n in s["tokens"]]
+    return style.finish(fig, style.title(what, s["model"], s["budget"], s["window"], tokens))
+
+
+THROUGHPUT = [("tok_s", "decode tok/s (median)", False)]
+MEMORY = [("kv_mib", "KV cache MiB", True), ("peak_mib", "peak MiB (timed steps)", True)]
+
+
+def plot(result: dict[str, Any], out: Path) -> list[Path]:
+    """`throughput.png` and `memory.png` under `out` (matplotlib's Agg backend)."""
+    style.use_agg()
+    paths = [out / "throughput.png", out / "memory.png"]
+    style.save(figure(result, THROUGHPUT, "Decode throughput"), paths[0])
+    style.save(figure(result, MEMORY, "KV and peak memory"), paths[1])
+    return paths
 
 
 def write(result: dict[str, Any], out: Path) -> list[Path]:
@@ -131,8 +140,5 @@ def write(result: dict[str, Any], out: Path) -> list[Path]:
     paths[0].write_text(json.dumps(result, indent=1) + "\n")
     paths[1].write_text(markdown(result))
     if result["results"] and importlib.util.find_spec("matplotlib") is not None:  # the `eval` extra brings it
-        paths.append(out / "throughput.png")
-        _plot(result, paths[-1], [("tok_s", "decode tok/s (median)", True)])
-        paths.append(out / "memory.png")
-        _plot(result, paths[-1], [("kv_mib", "KV cache MiB", True), ("peak_mib", "peak MiB (timed steps)", False)])
+        paths += plot(result, out)
     return paths

@@ -146,11 +146,13 @@ class PolicyRun:
 
 
 def answer_all(run: PolicyRun, model, tokenizer, batches: list[tuple[int, list[Item]]], bar=None) -> list[dict]:
-    """Answer every `(seed, items)` batch not answered yet; the records of all items, in order."""
+    """Answer every `(seed, items)` batch not answered yet; the records of all items, in order.
+    `bar` (a `progress.Progress`) advances by each batch's items and the tokens generated."""
     run.path.parent.mkdir(parents=True, exist_ok=True)
     done = load(run.path, run.key, run.ident)
     for seed, items in batches:
         todo = [item for item in items if item.ident not in done]
+        generated = 0
         if todo:
             completions = generate(model, tokenizer, run.config, [item.prompt for item in items], run.decoding, seed)
             with open(run.path, "a") as f:
@@ -166,6 +168,7 @@ def answer_all(run: PolicyRun, model, tokenizer, batches: list[tuple[int, list[I
                     }
                     f.write(json.dumps(record) + "\n")
                     done[item.ident] = record
+            generated = sum(len(c.tokens) for c in completions)
         if bar is not None:
-            bar.update(len(items))
+            bar.advance(len(items), generated)
     return [done[item.ident] for _, items in batches for item in items]

@@ -31,6 +31,7 @@ import vasepatch
 from vasepatch.config import FULL, VaSEConfig
 from vasepatch.eval import data, metrics, options, plots, probe, report
 from vasepatch.eval.forcing import teacher_force
+from vasepatch.eval.progress import Progress, require_extras
 
 METRICS = ("kl", "top1", "nll_delta")
 PROMPT_COLUMNS = (
@@ -187,68 +188,92 @@ class _Tally:
         }
 
 
-def _progress(total: int, desc: str):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="run", dynamic_ncols=True)
-
-
-def _run_batch(settings: Settings, model, tokenizer, ids, mask, seed: int, tally: _Tally, bar) -> None:
+def _run_batch(settings: Settings, model, tokenizer, ids, mask, seed: int, tally: _Tally, bar: Progress) -> None:
     """Reference, teacher forcing and free runs of one batch of prompts."""
     configs = settings.configs()
     pad_id, suppress = tokenizer.pad_token_id, _end_ids(model, tokenizer)
+    rows, tokens = ids.shape[0], ids.shape[0] * settings.tokens
+    bar.phase(FULL, "reference")
     with vasepatch.patched(model, config=configs[FULL]):
         reference = sample(model, ids, mask, settings, seed, pad_id, suppress)
-    bar.update(1)
-    tally.add_forced(*force_metrics(model, configs, ids, mask, reference), rows=ids.shape[0])
+    bar.advance(rows, tokens)
+    bar.phase(f"{len(configs)} policies", "teacher forcing")
+    tally.add_forced(*force_metrics(model, configs, ids, mask, reference), rows=rows)
     tally.add_free(FULL, reference, reference)
-    bar.update(1)
+    bar.advance(rows, tokens * len(configs))
     for name, cfg in configs.items():
         if name != FULL:
+            bar.phase(name, "free run")
             with vasepatch.patched(model, config=cfg):
                 tally.add_free(name, sample(model, ids, mask, settings, seed, pad_id, suppress), reference)
-            bar.update(1)
+            bar.advance(rows, tokens)
 
 
-def run_prompts(settings: Settings, model, tokenizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def run_prompts(
+    settings: Settings, model, tokenizer, examples: list[data.Example] | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Fidelity of every policy on the prompts: `(header, one result row per policy)`."""
-    examples = data.load_examples(settings.prompts, settings.data_dir)
+    if examples is None:
+        examples = data.load_examples(settings.prompts, settings.data_dir)
     texts = data.chat_prompts(tokenizer, [e.question for e in examples])
-    batches = [
-        data.encode(tokenizer, texts[i : i + settings.batch_size]) for i in range(0, len(texts), settings.batch_size)
-    ]
+    size = settings.batch_size
+    batches = [data.encode(tokenizer, texts[i : i + size]) for i in range(0, len(texts), size)]
     tally = _Tally(settings.policies)
-    bar = _progress(len(batches) * (1 + len(settings.policies)), "fidelity")
+    bar = Progress(len(texts) * (1 + len(settings.policies)), "prompt")
     for b, (ids, mask) in enumerate(batches):
         _run_batch(settings, model, tokenizer, ids, mask, settings.seed + b, tally, bar)
     bar.close()
     longest = max(int(mask.sum(-1).max()) for _, mask in batches) + settings.tokens
     header = settings.header(model)
-    header.update(longest_sequence=longest, compression=round(longest / settings.config.budget, 2))
+    header.update(
+        n_prompts=len(texts),
+        batch_size=min(size, len(texts)),  # the batch actually run, not the flag
+        longest_sequence=longest,
+        compression=round(longest / settings.config.budget, 2),
+    )
     return header, [tally.summary(name) for name in settings.policies]
 
 
-def run(settings: Settings, model=None, tokenizer=None) -> list[Path]:
-    """Run the evaluation and write its outputs; returns their paths."""
+def _read_inputs(settings: Settings) -> list[data.Example] | dict[str, Any]:
+    """The prompts (or the probe file), read and checked before any model loads."""
+    if settings.probe:
+        return probe.read(settings.probe)
+    return data.load_examples(settings.prompts, settings.data_dir)
+
+
+def run(settings: Settings, model=None, tokenizer=None, echo: bool = False) -> list[Path]:
+    """Run the evaluation and write its outputs; returns their paths. The inputs and the
+    `[eval]` extras are checked first, so a bad file fails in well under a second, before
+    the model loads. `echo` prints the results table at the end."""
+    require_extras()
+    inputs = _read_inputs(settings)
     if model is None:
         from vasepatch import models
 
         model, tokenizer = models.load(settings.model)
     out = Path(settings.out)
     if settings.probe:
-        header, results = probe.run_probe(settings, model)
+        header, results = probe.run_probe(settings, model, inputs)
         title = "Fixed probe: top-1 agreement with the full cache"
-        return report.write(out, "probe", header, results, probe.COLUMNS, title, plots.probe_plot(results))
-    header, results = run_prompts(settings, model, tokenizer)
+        plot = plots.probe_plot(results, header)
+        return report.write(out, "probe", header, results, probe.COLUMNS, title, plot, echo=echo)
+    header, results = run_prompts(settings, model, tokenizer, inputs)
     title = "Fidelity to the full cache"
-    return report.write(out, "fidelity", header, results, PROMPT_COLUMNS, title, plots.fidelity_plot(results))
+    plot = plots.fidelity_plot(results, header)
+    return report.write(out, "fidelity", header, results, PROMPT_COLUMNS, title, plot, echo=echo)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `vasepatch eval fidelity`; `--help` shows every default."""
+    options.use_help_formatter(p)
     d = Settings()
     p.add_argument("--model", default=d.model, help="registered name, HF directory or .gguf file")
     p.add_argument("--prompts", default=d.prompts, help="gsm8k:N, math500:N, aime25:N or a .jsonl file[:N]")
-    p.add_argument("--probe", default=None, help="a probe JSON file (prompt ids, reference tokens, dense predictions)")
+    p.add_argument(
+        "--probe",
+        default=None,
+        help="a probe JSON file (prompt ids, reference tokens, dense predictions); replaces --prompts",
+    )
     p.add_argument("--tokens", type=int, default=d.tokens, help="length of the sampled reference continuation")
     options.add_cache_arguments(p, d.config, policies_default="all")
     p.add_argument(
@@ -261,8 +286,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seeds", type=int, default=d.seeds, help="policy seeds per policy (probe only)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts per batch (left padded)")
-    p.add_argument("--data-dir", default=None, help="folder with gsm8k/ math500/ aime25/ (or $VASEPATCH_DATA_DIR)")
-    p.add_argument("--out", default=d.out)
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder with gsm8k/ math500/ aime25/ (default: $VASEPATCH_DATA_DIR, else the data shipped with vasepatch)",
+    )
+    p.add_argument("--out", default=d.out, help="folder for the JSON, markdown and PNG results")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -279,5 +308,4 @@ def main(args: argparse.Namespace) -> None:
         probe=args.probe,
         out=args.out,
     )
-    for path in run(settings):
-        print(path)
+    run(settings, echo=True)

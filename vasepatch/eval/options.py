@@ -63,13 +63,39 @@ def environment(model) -> dict[str, Any]:
     return {"model_class": type(model).__name__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows every default. A `None` default is explained by the help text itself, a
+    help text that already names its default is left alone, and on/off switches need none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction))
+        if action.default is None or switch or "default" in text:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def use_help_formatter(p: argparse.ArgumentParser) -> None:
+    """Make `p --help` show the defaults (whatever formatter the caller built `p` with)."""
+    p.formatter_class = HelpFormatter
+
+
 def add_cache_arguments(p: argparse.ArgumentParser, defaults: VaSEConfig, policies_default: str) -> None:
     """The flags of the cache settings (`VaSEConfig` fields) and `--policies`."""
     p.add_argument("--policies", default=policies_default, help="comma-separated policy names, or 'all' (full first)")
-    p.add_argument("--budget", type=int, default=defaults.budget)
-    p.add_argument("--window", type=int, default=defaults.window)
-    p.add_argument("--protect", type=int, default=defaults.protect, help="protected slots (default budget // 4)")
-    p.add_argument("--sinks", type=int, default=defaults.sinks)
+    p.add_argument(
+        "--budget", type=int, default=defaults.budget, help="KV slots kept per layer and head after each eviction"
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=defaults.window,
+        help="recent tokens never evicted; one eviction every window steps",
+    )
+    p.add_argument(
+        "--protect", type=int, default=defaults.protect, help="protected slots per eviction (default: budget // 4)"
+    )
+    p.add_argument("--sinks", type=int, default=defaults.sinks, help="tokens at positions < sinks, always kept")
     p.add_argument(
         "--temperature",
         "--score-temperature",
@@ -78,14 +104,16 @@ def add_cache_arguments(p: argparse.ArgumentParser, defaults: VaSEConfig, polici
         default=defaults.temperature,
         help="softmax temperature of the policies' attention scores (not the sampling temperature)",
     )
-    p.add_argument("--smooth", type=int, default=defaults.smooth)
+    p.add_argument(
+        "--smooth", type=int, default=defaults.smooth, help="width of the average pool over attention scores (1 = off)"
+    )
     p.add_argument(
         "--prefill",
         choices=PREFILL_MODES,
         default=defaults.prefill,
         help="a prompt longer than the budget: compressed at prefill, or kept whole (the paper's setting)",
     )
-    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the policies and of the sampling")
 
 
 def cache_config(args: argparse.Namespace) -> VaSEConfig:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vasepatch.eval import answers, grading, haystack, metrics, plots, report
+from vasepatch.eval.progress import Progress
 
 if TYPE_CHECKING:
     from vasepatch.eval.task import TaskSettings
@@ -97,14 +98,15 @@ def summarise(name: str, records: list[dict[str, Any]], settings: TaskSettings):
     return rows, by_depth
 
 
-def run(settings: TaskSettings, model, tokenizer) -> list[Path]:
-    """Pass-key accuracy of every policy; writes `passkey.json`, `.md`, `.png` under `settings.out`."""
-    from tqdm.auto import tqdm
-
+def run(settings: TaskSettings, model, tokenizer, echo: bool = False) -> list[Path]:
+    """Pass-key accuracy of every policy; writes `passkey.json`, `.md`, `.png` under `settings.out`
+    (`echo`: and prints the results table)."""
     work = batches(settings, tokenizer)
-    bar = tqdm(total=len(settings.policies) * sum(len(b) for _, b in work), desc=TASK, unit="answer")
+    per_policy = sum(len(b) for _, b in work)
+    bar = Progress(len(settings.policies) * per_policy, "prompt")
     results, by_depth = [], []
     for name in settings.policies:
+        bar.phase(name, TASK)
         run = settings.policy_run(name, model, make_record, ident=lambda r: (r["context_length"], r["index"]))
         rows, depth_rows = summarise(name, answers.answer_all(run, model, tokenizer, work, bar), settings)
         results += rows
@@ -113,7 +115,6 @@ def run(settings: TaskSettings, model, tokenizer) -> list[Path]:
     title = "Pass-key retrieval accuracy"
     tables = {"by_depth": (by_depth, DEPTH_COLUMNS)}
     header = settings.header(model)
-    cfg = settings.config
-    figure = f"Pass-key retrieval, {settings.model}, budget {cfg.budget}, window {cfg.window} (prefill={cfg.prefill})"
-    plot = plots.passkey_plot(by_depth, figure)
-    return report.write(Path(settings.out), TASK, header, results, COLUMNS, title, plot, tables=tables)
+    header["batch_size"] = min(settings.batch_size, settings.samples)  # a batch never mixes context lengths
+    plot = plots.passkey_plot(results, by_depth, header)
+    return report.write(Path(settings.out), TASK, header, results, COLUMNS, title, plot, tables=tables, echo=echo)

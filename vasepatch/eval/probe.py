@@ -15,7 +15,7 @@ import torch
 
 import vasepatch
 from vasepatch.config import FULL, VaSEConfig
-from vasepatch.eval import metrics
+from vasepatch.eval import data, metrics
 from vasepatch.eval.forcing import teacher_force
 
 if TYPE_CHECKING:
@@ -95,9 +95,33 @@ def _row(name: str, keys: list[str], dense, file_dense, argmax, values, anchor) 
     }
 
 
-def run_probe(settings: Settings, model) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """`(header, one result row per policy)` of the probe `settings.probe`."""
-    probe = json.loads(Path(settings.probe).read_text())
+PROBE_KEYS = ("prompt_ids", "reference_tokens", "dense_predictions")
+
+
+def read(path: str | Path) -> dict[str, Any]:
+    """The probe file, checked: a `data.DataError` (one line) if it is missing or malformed."""
+    path = Path(path)
+    if not path.is_file():
+        raise data.DataNotFoundError(f"probe file {path}: no such file")
+    try:
+        probe = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise data.DataError(f"probe file {path}: not valid JSON ({e})") from None
+    if not isinstance(probe, dict):
+        raise data.DataError(f"probe file {path}: expected a JSON object, got {type(probe).__name__}")
+    for key in PROBE_KEYS:
+        value = probe.get(key)
+        if not isinstance(value, list) or not value or not all(isinstance(t, int) for t in value):
+            raise data.DataError(f"probe file {path}: {key!r} must be a non-empty list of token ids")
+    if len(probe["dense_predictions"]) != len(probe["reference_tokens"]):
+        raise data.DataError(f"probe file {path}: 'dense_predictions' and 'reference_tokens' differ in length")
+    return probe
+
+
+def run_probe(settings: Settings, model, probe: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[dict]]:
+    """`(header, one result row per policy)` of the probe `settings.probe` (read here unless given)."""
+    if probe is None:
+        probe = read(settings.probe)
     ids = torch.tensor([probe["prompt_ids"]])
     reference = torch.tensor([probe["reference_tokens"]])
     file_dense = torch.tensor(probe["dense_predictions"])
@@ -110,5 +134,7 @@ def run_probe(settings: Settings, model) -> tuple[dict[str, Any], list[dict[str,
         for name in settings.policies
     ]
     header = settings.header(model)
+    longest = ids.shape[1] + reference.shape[1]
+    header.update(longest_sequence=longest, compression=round(longest / settings.config.budget, 2))
     header["dense_matches_file"] = (dense == file_dense).float().mean().item()
     return header, results

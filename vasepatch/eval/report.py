@@ -23,10 +23,47 @@ def _setting(value: Any) -> str:
     return "[" + ", ".join(map(str, value)) + "]" if isinstance(value, list) else str(value)
 
 
+SHOWN_AS = {"kv_bytes": ("kv_mib", 2**20)}
+"""Columns shown in another unit in the tables (the JSON keeps the raw value): header, divisor."""
+
+
+def _shown(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> tuple[list[str], list[list[Any]]]:
+    """The headers and values of the table cells, with `SHOWN_AS` applied."""
+    headers = [SHOWN_AS.get(c, (c, 1))[0] for c in columns]
+    values = []
+    for row in rows:
+        line = []
+        for c in columns:
+            value, scale = row.get(c), SHOWN_AS.get(c, (c, 1))[1]
+            line.append(value / scale if scale != 1 and isinstance(value, (int, float)) else value)
+        values.append(line)
+    return headers, values
+
+
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    headers, values = _shown(rows, columns)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(v) for v in line) + " |" for line in values]
     return "\n".join(lines) + "\n"
+
+
+def aligned_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """The markdown table with padded columns (numbers right-aligned): readable in a terminal as it is."""
+    headers, values = _shown(rows, columns)
+    cells = [[_cell(v) for v in line] for line in values]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    numeric = [bool(values) and all(_is_number(line[i]) for line in values) for i in range(len(columns))]
+
+    def line(texts: Sequence[str]) -> str:
+        padded = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(texts, widths, numeric, strict=True)]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|".join(("-" * (w + 1) + ":") if num else "-" * (w + 2) for w, num in zip(widths, numeric, strict=True))
+    return "\n".join([line(headers), "|" + rule + "|", *(line(r) for r in cells)])
+
+
+def _is_number(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
 def write(
@@ -38,9 +75,11 @@ def write(
     title: str,
     plot: Callable[[Path], None] | None = None,
     tables: dict[str, tuple[list[dict[str, Any]], Sequence[str]]] | None = None,
+    echo: bool = False,
 ) -> list[Path]:
     """`<stem>.json` (`{"config", "results", **tables}`), `<stem>.md` (the results, then each
-    of `tables`: `{name: (rows, columns)}`) and, with `plot`, `<stem>.png`."""
+    of `tables`: `{name: (rows, columns)}`) and, with `plot`, `<stem>.png`. With `echo`, the
+    results table is printed too (what a command shows when it ends)."""
     out.mkdir(parents=True, exist_ok=True)
     tables = tables or {}
     paths = [out / f"{stem}.json", out / f"{stem}.md"]
@@ -52,10 +91,12 @@ def write(
         text += f"\n**{name}**\n\n{markdown_table(rows, cols)}"
     paths[1].write_text(text)
     if plot is not None:
-        import matplotlib
+        from vasepatch.eval import style
 
-        matplotlib.use("Agg")
+        style.use_agg()
         png = out / f"{stem}.png"
         plot(png)
         paths.append(png)
+    if echo:
+        print(f"\n{title} ({settings})\n\n{aligned_table(results, columns)}\n\nwritten: {', '.join(map(str, paths))}")
     return paths

@@ -17,6 +17,7 @@ from typing import Any
 
 from vasepatch.config import FULL, VaSEConfig
 from vasepatch.eval import answers, data, grading, metrics, options, passkey, plots, report
+from vasepatch.eval.progress import Progress, require_extras
 
 TASKS = sorted(grading.GRADERS)
 # Per kind of task, the defaults of the settings left as None.
@@ -134,6 +135,7 @@ def _record(task: str, item: answers.Item, completion: answers.Completion, text:
         **item.fields,
         "extracted": extracted,
         "correct": correct,
+        "prompt_tokens": completion.prompt_tokens,
         "n_tokens": len(completion.tokens),
         "truncated": completion.truncated,
         "looping": metrics.is_looping(completion.tokens),
@@ -160,35 +162,51 @@ def summarise(name: str, records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run_math(settings: TaskSettings, model, tokenizer, examples: list[data.Example]) -> list[Path]:
+def used(settings: TaskSettings, header: dict[str, Any], items: int, records: list[dict[str, Any]]) -> None:
+    """Put the values a run actually used into its `header`: the batch size (no larger than the
+    work), and the longest sequence (prompt + answer) with its compression, `longest / budget`."""
+    header["batch_size"] = min(settings.batch_size, items)
+    lengths = [r["prompt_tokens"] + r["n_tokens"] for r in records if "prompt_tokens" in r]
+    if lengths:
+        header.update(longest_sequence=max(lengths), compression=round(max(lengths) / settings.config.budget, 2))
+
+
+def run_math(settings: TaskSettings, model, tokenizer, examples: list[data.Example], echo: bool = False) -> list[Path]:
     """Accuracy of every policy on the problems `examples`."""
     batches = _batches(settings, examples, data.chat_prompts(tokenizer, [e.question for e in examples]))
     make_record = partial(_record, settings.task)
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=len(settings.policies) * len(examples) * settings.samples, desc=settings.task, unit="answer")
-    results = []
+    per_policy = len(examples) * settings.samples
+    bar = Progress(len(settings.policies) * per_policy, "answer")
+    results, records = [], []
     for name in settings.policies:
+        bar.phase(name, settings.task)
         run = settings.policy_run(name, model, make_record, ident=lambda r: (r["id"], r["sample"]))
-        results.append(summarise(name, answers.answer_all(run, model, tokenizer, batches, bar)))
+        records += answers.answer_all(run, model, tokenizer, batches, bar)
+        results.append(summarise(name, records[-per_policy:]))
     bar.close()
     title = f"Accuracy on {settings.task}"
     header = settings.header(model)
-    return report.write(Path(settings.out), settings.task, header, results, COLUMNS, title, plots.task_plot(results))
+    header["problems"] = len(examples)
+    used(settings, header, per_policy, records)
+    plot = plots.task_plot(results, header)
+    return report.write(Path(settings.out), settings.task, header, results, COLUMNS, title, plot, echo=echo)
 
 
-def run(settings: TaskSettings, model=None, tokenizer=None) -> list[Path]:
-    """Run (or resume) the evaluation and write its outputs; returns their paths."""
+def run(settings: TaskSettings, model=None, tokenizer=None, echo: bool = False) -> list[Path]:
+    """Run (or resume) the evaluation and write its outputs; returns their paths. The `[eval]`
+    extras and the data are checked first: a missing or malformed file fails before the model
+    loads. `echo` prints the results table at the end."""
+    require_extras()
     examples = None
-    if settings.kind == "math":  # missing data fail before the model loads
+    if settings.kind == "math":
         examples = data.load_examples(f"{settings.task}:{settings.limit}", settings.data_dir)
     if model is None:
         from vasepatch import models
 
         model, tokenizer = models.load(settings.model)
     if examples is None:
-        return passkey.run(settings, model, tokenizer)
-    return run_math(settings, model, tokenizer, examples)
+        return passkey.run(settings, model, tokenizer, echo=echo)
+    return run_math(settings, model, tokenizer, examples, echo=echo)
 
 
 def _number_list(kind: type):
@@ -202,37 +220,51 @@ def _number_list(kind: type):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `vasepatch eval task`; `--help` shows every default."""
+    options.use_help_formatter(p)
     d = TaskSettings()
     math_, key = TASK_DEFAULTS["math"], TASK_DEFAULTS[passkey.TASK]
-    p.add_argument("--task", default=d.task, choices=TASKS)
+    p.add_argument("--task", default=d.task, choices=TASKS, help="data set to answer, or pass-key retrieval")
     p.add_argument("--model", default=d.model, help="registered name, HF directory or .gguf file")
     p.add_argument("--limit", type=int, default=d.limit, help="first N problems (data sets)")
     options.add_cache_arguments(p, d.config, policies_default="full,vase")
     p.add_argument(
         "--samples",
         type=int,
-        help=f"samples per problem ({math_['samples']}); passkey: prompts per context length, spread evenly "
-        f"over the depths ({key['samples']})",
+        help=f"samples per problem (default: {math_['samples']}); passkey: prompts per context length, spread "
+        f"evenly over the depths (default: {key['samples']})",
     )
     p.add_argument(
         "--sample-temperature",
         type=float,
-        help=f"sampling temperature of the answers, 0 = greedy ({math_['sample_temperature']}; passkey 0)",
+        help=f"sampling temperature of the answers, 0 = greedy (default: {math_['sample_temperature']}; "
+        f"passkey: {key['sample_temperature']:g})",
     )
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--max-new-tokens", type=int, help=f"{math_['max_new_tokens']}; passkey {key['max_new_tokens']}")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling of the answers")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"longest answer (default: {math_['max_new_tokens']}; passkey: {key['max_new_tokens']})",
+    )
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per generate() call")
     p.add_argument(
         "--context-lengths",
         type=_number_list(int),
-        default=d.context_lengths,
-        help="passkey: prompt tokens, e.g. 1024,2048",
+        default=",".join(map(str, d.context_lengths)),
+        help="passkey: prompt tokens, comma-separated",
     )
     p.add_argument(
-        "--depths", type=_number_list(float), default=d.depths, help="passkey: where the key sits, 0 (start) to 1 (end)"
+        "--depths",
+        type=_number_list(float),
+        default=",".join(map(str, d.depths)),
+        help="passkey: where the key sits, 0 (start) to 1 (end), comma-separated",
     )
-    p.add_argument("--data-dir", default=None, help="folder with gsm8k/ math500/ aime25/ (or $VASEPATCH_DATA_DIR)")
-    p.add_argument("--out", default=d.out)
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder with gsm8k/ math500/ aime25/ (default: $VASEPATCH_DATA_DIR, else the data shipped with vasepatch)",
+    )
+    p.add_argument("--out", default=d.out, help="folder for the answers (jsonl, resumable) and the results")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -252,5 +284,4 @@ def main(args: argparse.Namespace) -> None:
         data_dir=args.data_dir,
         out=args.out,
     )
-    for path in run(settings):
-        print(path)
+    run(settings, echo=True)
