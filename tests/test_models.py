@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
 
@@ -92,3 +93,46 @@ def test_two_processes_converting_at_once_keep_the_first_copy(tmp_path):
     (tmp_path / "other" / "junk").write_text("")  # a target without a model: not a finished conversion
     with pytest.raises(OSError):
         models.publish(broken, tmp_path / "other")
+
+
+def test_hub_ids_pass_through_and_other_names_are_refused(tmp_path):
+    assert models.resolve("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    for bad in ("no-slash", "a/b/c", "../up/there", "/abs/path"):
+        with pytest.raises(ValueError, match="Hub id"):
+            models.resolve(bad)
+
+
+def test_a_hub_id_missing_offline_says_how_to_download(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def not_cached(name, local_files_only, **kwargs):
+        assert local_files_only == (os.environ["HF_HUB_OFFLINE"] == "1")  # read at call time, not at import
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {name}")
+
+    with pytest.raises(FileNotFoundError, match="set HF_HUB_OFFLINE=0 to download"):
+        models._from_hub(not_cached, "org/not-cached")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with pytest.raises(FileNotFoundError, match="gave no copy of it: We couldn't") as err:
+        models._from_hub(not_cached, "org/not-cached")
+    assert "HF_HUB_OFFLINE" not in str(err.value)
+
+
+def test_loading_hides_the_progress_bars_and_restores_them(tmp_path, make_model, capsys):
+    from transformers.utils import logging as hf_logging
+
+    from tests.tiny_tokenizer import tiny_tokenizer
+
+    make_model("llama").save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert hf_logging.is_progress_bar_enabled()
+    model, tok = models.load(tmp_path)
+    assert model.config.model_type == "llama" and tok.padding_side == "left"
+    assert "Loading weights" not in capsys.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with models.no_progress_bars():
+            pass
+        assert not hf_logging.is_progress_bar_enabled()  # a setting the caller chose is kept
+    finally:
+        hf_logging.enable_progress_bar()

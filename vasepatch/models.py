@@ -1,9 +1,12 @@
 """Load the small real models that run on a laptop CPU, without any model hub.
 
 `load(name_or_path)` accepts a registered name (`available()`), a local Hugging
-Face directory, or a `.gguf` file. GGUF files are dequantised by transformers
-(slow: 15-40 s), so the result is cached once as safetensors under
+Face directory, a `.gguf` file, or a Hugging Face Hub id (`org/name`, read from the
+local Hub cache, or downloaded unless `HF_HUB_OFFLINE=1`). GGUF files are dequantised
+by transformers (slow: 15-40 s), so the result is cached once as safetensors under
 `$VASEPATCH_CACHE_DIR` (default `~/.cache/vasepatch`), keyed by the file's hash.
+Loading from a local folder shows no progress bar (it takes about a second); the
+one-time GGUF conversion says so on stderr and keeps its own bar.
 
 Registered models (their PyPI packages are located with
 `importlib.util.find_spec` and read, never imported):
@@ -22,9 +25,13 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -119,8 +126,10 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    print(f"converting {gguf.name} to safetensors, once (15-40 s); cached in {target}", file=sys.stderr, flush=True)
+    with no_progress_bars():  # transformers' own GGUF de-quantising bar (plain tqdm) still shows
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict()
@@ -144,8 +153,17 @@ def publish(tmp: Path, target: Path) -> None:
             raise
 
 
-def resolve(name_or_path: str | os.PathLike[str]) -> Path:
-    """A local HF directory for `name_or_path`, converting (once) from GGUF if needed."""
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether `name` has the shape of a Hugging Face Hub id (`org/name`)."""
+    return bool(_HUB_ID.fullmatch(name)) and ".." not in name
+
+
+def resolve(name_or_path: str | os.PathLike[str]) -> Path | str:
+    """A local HF directory for `name_or_path`, converting (once) from GGUF if needed; a
+    Hub id (`org/name`) that is not a local folder is returned as it is."""
     key = str(name_or_path)
     if key in _GGUF_SOURCES:
         gguf = _GGUF_SOURCES[key]()
@@ -155,10 +173,12 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Path:
             return path
         if path.is_file() and path.suffix == ".gguf":
             gguf = path
+        elif is_hub_id(key):
+            return key
         else:
             raise ValueError(
                 f"model {key!r} is neither a registered name ({', '.join(available())}), "
-                "a local Hugging Face directory, nor a .gguf file"
+                "a local Hugging Face directory, a .gguf file, nor a Hugging Face Hub id (org/name)"
             )
     target = cache_dir() / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
     if not (target / "model.safetensors").is_file():
@@ -167,13 +187,51 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Path:
     return target
 
 
+@contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """Hide transformers' and huggingface_hub's progress bars (`Loading weights`) for a
+    while, then restore their setting."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _from_hub(loader: Callable[..., Any], name: str, **kwargs: Any) -> Any:
+    """`loader(name)` for a Hub id; a missing model becomes a `FileNotFoundError` that says what to do.
+    `HF_HUB_OFFLINE` is read now (huggingface_hub reads it once, at import), as `local_files_only`."""
+    try:
+        return loader(name, local_files_only=_offline(), **kwargs)
+    except OSError as err:
+        hint = " (HF_HUB_OFFLINE=1: only the local Hub cache is read; set HF_HUB_OFFLINE=0 to download)"
+        raise FileNotFoundError(
+            f"model {name!r} is not a registered name ({', '.join(available())}), a local directory or a .gguf "
+            f"file, and the Hugging Face Hub gave no copy of it{hint if _offline() else ''}: {err}"
+        ) from err
+
+
 def load(name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """`(model, tokenizer)` for a registered name, a local HF directory or a `.gguf` file."""
+    """`(model, tokenizer)` for a registered name, a local HF directory, a `.gguf` file or a Hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = resolve(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if isinstance(folder, str):  # a Hub id: keep the download bars
+        model = _from_hub(AutoModelForCausalLM.from_pretrained, folder, dtype=dtype)
+        tokenizer = _from_hub(AutoTokenizer.from_pretrained, folder)
+    else:
+        with no_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = model.to(device).eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
