@@ -48,7 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.cache.seed,
         help="seeds the random prompts, shape: weights and VaSE sampling (default 0)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch threads per method (default: all cores)")
     p.add_argument("--isolate", choices=ISOLATION, default=d.isolate, help="worker process per method (CPU default)")
     p.add_argument("--mask", choices=MASKS, default=d.mask, help="attention mask of ones: auto = eager methods only")
     quick = " ".join(f"--{k} {_csv(v) if isinstance(v, list) else v}" for k, v in QUICK.items())
@@ -80,7 +79,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         steps=args.steps,
         dtype=args.dtype,
         device=args.device,
-        threads=args.threads,
+        threads=args.threads,  # the shared --threads option (vasepatch.cli): torch threads per method
         isolate=args.isolate,
         mask=args.mask,
         out=args.out,

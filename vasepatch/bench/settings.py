@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from vasepatch import policies
 from vasepatch.config import VaSEConfig
+from vasepatch.threads import default_threads
 
 BASELINES = ("dense", "static", "kvpress")
 COMPILE_SUFFIX = "+compile"
@@ -71,7 +71,8 @@ class Settings:
     The other fields are the bench's own. `tokens` are the generated lengths at which
     the decode speed is timed (sorted); `steps` is the number of timed decode steps per
     segment (`None`: `cache.window`, one eviction cycle); `dtype=None` means float32 on
-    CPU and bfloat16 on CUDA; `threads=None` means every core; `isolate="auto"` runs each
+    CPU and bfloat16 on CUDA; `threads=None` means `vasepatch.threads.default_threads()`
+    ($OMP_NUM_THREADS, else the physical cores); `isolate="auto"` runs each
     method in its own worker process on CPU (per-method peak RSS) and all in this process
     on CUDA; `mask="auto"` passes an attention mask of ones to eager methods and none to
     compiled ones (static shapes).
@@ -149,7 +150,7 @@ class Settings:
 
     def _check_execution(self) -> None:
         if self.threads is None:
-            self.threads = os.cpu_count() or 1
+            self.threads = default_threads()
         _positive_ints("threads", [self.threads])
         _one_of("isolate", self.isolate, ISOLATION)
         if self.isolate == "auto":
