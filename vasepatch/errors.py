@@ -13,3 +13,7 @@ class AlreadyPatchedError(RuntimeError):
 
 class NotPatchedError(RuntimeError):
     """`unpatch` was called on a model that vasepatch did not patch."""
+
+
+class ModelInUseError(RuntimeError):
+    """`unpatch` was called while a `generate` or forward call is running on the model."""

@@ -4,33 +4,59 @@ Patched attention modules look their kernel up under this name (through a
 private config copy), and the model builds its mask with the matching mask
 function, which hands the plain 2-D padding mask through untouched: the
 vasepatch cache knows positions and validity per slot and builds the real mask
-itself. Calls without a vasepatch cache (`use_cache=False`, a user-supplied
-`DynamicCache`) get an ordinary causal + padding mask.
+itself.
+
+Calls without a vasepatch cache (`use_cache=False`, a `DynamicCache`, a `StaticCache`,
+`cache_implementation="static"`) run transformers' own path: the mask function builds the
+mask of the model's own attention implementation and the kernel dispatches to that
+implementation, so they compute exactly what the unpatched model computes (dropout and
+attention weights included). The patched decoder stack's forward says which call is
+running (`PATCHED_CALL`); under `torch.compile`, which cannot trace that, the mask is
+passed through and a call without a vasepatch cache gets a causal + padding mask over a
+growing cache.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from vasepatch.cache import Step, VaSELayer
+from vasepatch.cache import Step, VaSECache, VaSELayer
+from vasepatch.cache.cache import OUTSIDE, PATCHED_CALL
 from vasepatch.integration import backends
 from vasepatch.integration.kernels import causal_attention, causal_padding_mask, grouped_attention
 
 ATTN_IMPLEMENTATION = "vasepatch"
 LAYER_KWARG = "vasepatch_layer"
 BACKEND_ATTR = "_vasepatch_backend"  # on the private config copy: the backend chosen at patch time
+ORIGINAL_ATTR = "_vasepatch_original"  # on the private config copy: the model's own attention implementation
+
+
+def _transformers_path() -> bool:
+    """Whether the running call goes through transformers' own attention (no vasepatch cache)."""
+    if torch.compiler.is_compiling():
+        return False
+    current = PATCHED_CALL.get()
+    return current is not OUTSIDE and not isinstance(current, VaSECache)
 
 
 def padding_mask_passthrough(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
-    """Mask function: return the 2-D padding mask (`[B, S]` bool) or `None`, unchanged.
-
-    Sizes and offsets (whose names vary across transformers releases) are ignored.
-    """
-    return attention_mask
+    """Mask function: for a vasepatch call, the 2-D padding mask (`[B, S]` bool) or `None`,
+    unchanged (sizes and offsets, whose names vary across releases, are ignored); for any
+    other call, the mask of the model's own attention implementation."""
+    config = kwargs.get("config")
+    original = getattr(config, ORIGINAL_ATTR, None)
+    if original is None or not _transformers_path():
+        return attention_mask
+    if original not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return None  # what transformers does for an implementation without a mask function
+    return ALL_MASK_ATTENTION_FUNCTIONS[original](*args, attention_mask=attention_mask, **kwargs)
 
 
 def vasepatch_attention(
@@ -42,19 +68,88 @@ def vasepatch_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The registered kernel: `attention_step` over the module's `VaSELayer` when the
-    call carries a vasepatch cache, else masked attention over the given K/V."""
+    call carries a vasepatch cache, else transformers' own attention over the given K/V."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     backend = getattr(module.config, BACKEND_ATTR, "sdpa")
-    layer = kwargs.get(LAYER_KWARG)
-    if layer is not None:
+    layer = kwargs.pop(LAYER_KWARG, None)
+    if layer is None:
+        return _without_vase_cache(module, query, key, value, attention_mask, scaling, dropout, backend, **kwargs)
+    if dropout:
+        raise RuntimeError(
+            f"attention dropout ({dropout:g}) in training mode is not applied by the vasepatch cache; "
+            "call model.eval() before generating"
+        )
+    if not kwargs.get("output_attentions"):
         return attention_step(layer, query, key, value, attention_mask, scaling, backend)[0], None
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError("vasepatch expects a 2-D padding mask; got a prepared 4-D mask")
+    if backend != "eager":
+        warnings.warn(
+            f"output_attentions=True: the vasepatch {backend!r} backend computes no attention weights, so none "
+            "are returned; load the model with attn_implementation='eager' to get weights over the cache slots",
+            UserWarning,
+            stacklevel=2,
+        )
+        return attention_step(layer, query, key, value, attention_mask, scaling, backend)[0], None
+    return attention_with_weights(layer, query, key, value, attention_mask, scaling)
+
+
+def _without_vase_cache(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float,
+    backend: str,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A call without a vasepatch cache: the model's own attention implementation, with the
+    mask transformers built for it (see the module docstring)."""
+    original = getattr(module.config, ORIGINAL_ATTR, None)
+    prepared = attention_mask is not None and attention_mask.dim() != 2
+    if original is not None and (prepared or _transformers_path()):
+        kernel = ALL_ATTENTION_FUNCTIONS.get(original)
+        if kernel is None:  # "eager": the modeling file's own function, as transformers uses
+            kernel = sys.modules[type(module).__module__].eager_attention_forward
+        return kernel(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+        raise ValueError(
+            f"a call without a vasepatch cache, compiled or outside the patched model's forward, got a 2-D mask "
+            f"over {attention_mask.shape[-1]} tokens for {key.shape[-2]} cached keys (a static cache?); call the "
+            "patched model eagerly, or pass a 4-D mask"
+        )
     mask = causal_padding_mask(attention_mask, query.shape[-2], key.shape[-2], query.device)
     return grouped_attention(query, key, value, mask, scaling, _kernel(backend), dropout), None
+
+
+def attention_with_weights(
+    layer: VaSELayer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    padding: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_step` with the eager kernel, also returning the attention weights
+    `[B, Hq, Q, S]` over the step's cache slots (for `output_attentions=True`). Before the
+    first eviction slot `s` holds sequence position `s`, so they equal transformers' eager
+    weights; after it, column `s` is whatever token slot `s` holds."""
+    step = layer.append(key, value, padding)
+    n = step.length
+    keys, values, mask = step.keys[:, :, :n], step.values[:, :, :n], step.mask()
+    b, h_q, q_len, d = query.shape
+    h_kv = keys.shape[1]
+    g = h_q // h_kv
+    scores = torch.matmul(query.reshape(b, h_kv, g * q_len, d), keys.transpose(-1, -2)) * scaling
+    visible = mask.unsqueeze(2).expand(b, h_kv, g, q_len, n).reshape(b, h_kv, g * q_len, n)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs, values).reshape(b, h_q, q_len, d).transpose(1, 2).contiguous()
+    layer.record_queries(query, step)
+    layer.evict_if_due(step)
+    return out, probs.reshape(b, h_q, q_len, n)
 
 
 def attention_step(

@@ -1,0 +1,226 @@
+"""`PatchHandle` and the state a patch leaves on its model.
+
+Everything a patch installs is plain data (objects holding references to the model's own
+modules, no closures), so `copy.deepcopy` maps each piece to the copy's modules and the
+copy carries a working patch of its own, and `pickle`/`torch.save` store the patch with
+the model (it loads patched, with the same settings).
+
+The state also counts the `generate` and forward calls in flight on the model, so that
+`unpatch` from another thread refuses with `ModelInUseError` instead of pulling the patch
+from under a running generation.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from vasepatch import policies
+from vasepatch.cache import CacheMonitor, VaSECache
+from vasepatch.config import VaSEConfig
+from vasepatch.errors import ModelInUseError, NotPatchedError
+from vasepatch.integration import attention
+from vasepatch.integration.families import ModelLayout
+
+STATE_ATTR = "_vasepatch_state"
+
+
+class _Missing:
+    """Marks an attribute that the instance did not have before the patch (picklable singleton)."""
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+    def __reduce__(self) -> str:
+        return "MISSING"
+
+
+MISSING = _Missing()
+
+
+class Restore:
+    """Undo of one instance attribute set by the patch: put back `previous` (or delete it)."""
+
+    def __init__(self, obj: Any, name: str, previous: Any) -> None:
+        self.obj, self.name, self.previous = obj, name, previous
+
+    def __call__(self) -> None:
+        if self.previous is MISSING:
+            self.obj.__dict__.pop(self.name, None)
+        else:
+            self.obj.__dict__[self.name] = self.previous
+
+
+def set_instance_attr(obj: Any, name: str, value: Any, undo: list[Callable[[], None]]) -> Any:
+    """Set `obj.__dict__[name]` and record its undo; returns the previous value (or `MISSING`)."""
+    previous = obj.__dict__.get(name, MISSING)
+    obj.__dict__[name] = value
+    undo.append(Restore(obj, name, previous))
+    return previous
+
+
+def original_method(obj: Any, name: str, previous: Any) -> Callable[..., Any]:
+    """What `obj.name` was before the patch: the instance attribute it replaced, or the class's."""
+    if previous is not MISSING:
+        return previous
+    return getattr(type(obj), name).__get__(obj, type(obj))
+
+
+def policy_for(config: VaSEConfig) -> policies.Policy | None:
+    """The policy a config asks for (ValueError naming an unknown one), or None for the
+    never-evicting `"full"` mode."""
+    return policies.for_config(config) if config.evicts else None
+
+
+class PatchState:
+    """What `patch` leaves on the model: its handle, the undo records, the calls in flight."""
+
+    def __init__(self, handle: PatchHandle) -> None:
+        self.handle = handle
+        self.undo: list[Callable[[], None]] = []
+        self.removed = False
+        self.in_flight = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def call(self) -> Iterator[bool]:
+        """Count one call in flight while it runs; yields False if the patch is already gone
+        (a call that looked the wrapper up before `unpatch` then runs the original)."""
+        with self._lock:
+            live = not self.removed
+            self.in_flight += live
+        try:
+            yield live
+        finally:
+            if live:
+                with self._lock:
+                    self.in_flight -= 1
+
+    def remove(self) -> None:
+        """Run the undo records, unless a call is in flight (`ModelInUseError`, nothing changed)."""
+        with self._lock:
+            if self.in_flight:
+                raise ModelInUseError(
+                    f"cannot unpatch: {self.in_flight} generate/forward call(s) are running on this model "
+                    "(in another thread, or the caller is inside one, e.g. a streamer or hook); "
+                    "wait for them to finish, then unpatch"
+                )
+            self.removed = True
+            for restore in reversed(self.undo):
+                restore()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles carry the patch, not the calls in flight nor the lock."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["in_flight"] = 0
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        attention.register()  # a model unpickled in a fresh process needs the kernel registered
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class PatchHandle:
+    """What `patch` returns: statistics, a cache factory, and `remove()`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: VaSEConfig,
+        policy: policies.Policy | None,
+        layout: ModelLayout,
+        attn_backend: str = "sdpa",
+    ):
+        self.model = model
+        self.config = config
+        self.policy = policy
+        self.layout = layout
+        self.attn_backend = attn_backend
+        """The attention backend chosen at patch time (see `VaSEConfig.attn_backend`)."""
+        self.monitor = CacheMonitor()
+        self.cache_keyword = _cache_keyword(model)
+        """The keyword under which the model takes a cache: `"cache"` (recent transformers)
+        or `"past_key_values"` (older 5.x releases)."""
+
+    def new_cache(self, config: VaSEConfig | None = None) -> VaSECache:
+        """A fresh cache for one generation (what `generate()` gets automatically).
+
+        Pass it to the model under `handle.cache_keyword` to drive it by hand:
+        `model(input_ids, **{handle.cache_keyword: handle.new_cache()})`. With
+        `config`, the cache follows those settings instead of the patch's (another
+        policy or budget on the same patched model); `stats()` does not track it.
+        """
+        n_layers = len(self.layout.attention_modules)
+        if config is None:
+            return VaSECache(self.config, self.policy, n_layers, self.monitor)
+        if not isinstance(config, VaSEConfig):
+            raise ValueError(f"config must be a vasepatch.VaSEConfig, got {type(config).__name__}")
+        return VaSECache(config, policy_for(config), n_layers)
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the most recent generation (the most recently started one, when
+        threads share the model).
+
+        `evictions` (eviction rounds), `evicted_tokens` (slots dropped per row and
+        KV head), `tokens_seen` (sequence length incl. padding), `occupancy` (max
+        over layers of slots in use), `budget`, `window`, `capacity` (slots
+        allocated per layer, row and KV head), `kv_bytes` (K+V buffer bytes, all
+        layers), `layers`, `generations` (caches created by this patch).
+        """
+        return self.monitor.snapshot(self.config.budget, self.config.window)
+
+    @property
+    def active(self) -> bool:
+        state = getattr(self.model, STATE_ATTR, None)
+        return state is not None and state.handle is self
+
+    def remove(self) -> None:
+        """Same as `vasepatch.unpatch(model)`, for this handle's patch only: a handle whose
+        patch is gone raises `NotPatchedError` and leaves any newer patch alone."""
+        state = getattr(self.model, STATE_ATTR, None)
+        if state is None:
+            raise NotPatchedError("this handle's patch was already removed; the model is not patched")
+        if state.handle is not self:
+            raise NotPatchedError(
+                "this handle is stale: its patch was already removed and the model has been patched again by "
+                "another handle; call remove() on that handle (or vasepatch.unpatch(model))"
+            )
+        state.remove()
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            self.remove()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy gets its own statistics (none yet); the policy is rebuilt from the config."""
+        state = self.__dict__.copy()
+        state["policy"] = None
+        state["monitor"] = CacheMonitor()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.policy = policy_for(self.config)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"PatchHandle(policy={c.policy!r}, budget={c.budget}, window={c.window}, "
+            f"attn_backend={self.attn_backend!r}, active={self.active})"
+        )
