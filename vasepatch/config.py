@@ -14,6 +14,13 @@ from typing import Any
 
 FULL = "full"  # the never-evicting reference: a mode of the cache, not a policy
 PREFILL_MODES = ("compress", "keep")
+# Slots per row and KV head: the varlen attention kernels index the packed buffer with int32 offsets.
+MAX_SLOTS = 2**31 - 1
+# Below this the scaled attention logits q.k / (sqrt(D) * temperature) can overflow float32; the
+# softmax then turns to NaN, read as zero attention: a silently uniform eviction. At 1e-6 any
+# |q.k| < 2.7e33 is safe, and the softmax is already one-hot on each query's argmax (the T -> 0 limit).
+MIN_TEMPERATURE = 1e-6
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 def _is_int(value: object) -> bool:
@@ -35,11 +42,14 @@ class VaSEConfig:
             `"full"`: never evict (the uncompressed reference; its buffer grows with the
             sequence, `window` slots past the need at a time, so `budget` only sizes its first
             allocation).
-        temperature: softmax temperature of the attention scores (> 0).
-        smooth: width of the 1-D average pool applied to attention scores (1 = off).
-        seed: seeds the sampling generator of each generation; `None` uses torch's
-            global generator.
-        policy_options: extra keyword options for the policy factory (e.g. `score="l2"`).
+        temperature: softmax temperature of the attention scores (finite, >= `MIN_TEMPERATURE`
+            = 1e-6: smaller ones overflow the float32 logits).
+        smooth: width of the 1-D average pool applied to attention scores (1 = off; at most
+            `2 * budget`: from `2 * budget - 1` on, all `budget` candidates of a decode eviction score alike).
+        seed: seeds the sampling generator of each generation (an int in `[-2**63, 2**64 - 1]`);
+            `None` uses torch's global generator.
+        policy_options: extra keyword options for the policy (e.g. `score="l2"`), checked against
+            the options it declares at `patch` time; must be empty for `"full"`.
         attn_backend: attention kernels: `"flash_attn"`, `"torch_varlen"` (FlashAttention-2
             varlen kernels, CUDA, fp16/bf16), `"sdpa"`, `"eager"`, or `None`/`"auto"`: the
             first of these the model's device and dtype allow (`"eager"` for a model loaded
@@ -50,6 +60,9 @@ class VaSEConfig:
             `budget - window` older ones chosen by the policy (scored by the last `window`
             prompt queries). `"keep"`: the whole prompt is kept and the buffer has
             `max(prompt, budget) + window` slots (the paper's setting).
+        check_policy_output: check the policy's picks at every eviction (range, duplicates,
+            padding kept over real tokens); `False` skips these data-dependent checks, for speed
+            (their cost: docs/reliability.md). Shape and dtype are checked either way.
     """
 
     budget: int
@@ -63,6 +76,7 @@ class VaSEConfig:
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     attn_backend: str | None = None
     prefill: str = "compress"
+    check_policy_output: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -83,6 +97,23 @@ class VaSEConfig:
 
     def validate(self) -> None:
         """Raise `ValueError` naming the parameter, the value and the allowed range."""
+        self._validate_sizes()
+        self._validate_protect()
+        self._validate_scoring()
+        self._validate_modes()
+
+    def check_fits(self, bytes_per_slot: int, available: int, where: str = "the device") -> None:
+        """Raise `ValueError` naming `budget` when one row's buffers (`budget + window` slots of
+        `bytes_per_slot` bytes: 2 x layers x KV heads x head_dim x dtype bytes) exceed `available`."""
+        need = (self.budget + self.window) * bytes_per_slot
+        if need > available:
+            raise ValueError(
+                f"budget={self.budget} needs {need / 2**30:.1f} GiB of KV buffers per sequence ((budget + window) "
+                f"x {bytes_per_slot} bytes per slot), more than the {available / 2**30:.1f} GiB of {where}; "
+                "lower budget"
+            )
+
+    def _validate_sizes(self) -> None:
         if not _is_int(self.budget) or self.budget < 2:
             raise ValueError(f"budget must be an int >= 2, got {self.budget!r}")
         if not _is_int(self.window) or self.window < 1:
@@ -92,31 +123,72 @@ class VaSEConfig:
                 f"window must be smaller than budget: got window={self.window}, budget={self.budget} "
                 f"(allowed: 1 <= window <= {self.budget - 1})"
             )
+        if self.budget + self.window > MAX_SLOTS:
+            raise ValueError(
+                f"budget + window must be at most 2**31 - 1 = {MAX_SLOTS} slots (the attention kernels index "
+                f"the buffer with int32 offsets), got budget={self.budget}, window={self.window}"
+            )
         if not _is_int(self.sinks) or self.sinks < 0:
             raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
+        if self.budget - self.window < self.sinks:
+            raise ValueError(
+                f"budget={self.budget} is too small for window={self.window} and sinks={self.sinks}: the window "
+                f"takes {self.window} of the {self.budget} slots, leaving {self.budget - self.window} for the "
+                f"{self.sinks} sinks; need budget >= window + sinks = {self.window + self.sinks} "
+                "(or a smaller window, or fewer sinks)"
+            )
+
+    def _validate_protect(self) -> None:
         if self.protect is not None and not _is_int(self.protect):
             raise ValueError(f"protect must be an int or None, got {self.protect!r}")
-        hi = self.budget - self.window
-        if not self.sinks <= self.n_protect <= hi:
-            given = "protect" if self.protect is not None else f"protect (budget // 4 = {self.n_protect})"
+        lo, hi, p = self.sinks, self.budget - self.window, self.n_protect
+        if lo <= p <= hi:
+            return
+        if self.protect is None:
+            side = f"fewer than sinks={lo}" if p < lo else f"more than the {hi} slots left after the window"
+            fix = "fewer sinks" if p < lo else "a smaller window"
             raise ValueError(
-                f"{given} must satisfy sinks <= protect <= budget - window: got protect={self.n_protect}, "
-                f"allowed range [{self.sinks}, {hi}] for sinks={self.sinks}, budget={self.budget}, "
-                f"window={self.window}"
+                f"protect defaults to budget // 4 = {p}, {side}; pass protect in [{lo}, {hi}] "
+                f"(sinks <= protect <= budget - window) or {fix}"
             )
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise ValueError(f"temperature must be a number > 0, got {self.temperature!r}")
-        if not self.temperature > 0 or self.temperature != self.temperature or self.temperature == float("inf"):
-            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
-        if not _is_int(self.smooth) or self.smooth < 1:
-            raise ValueError(f"smooth must be an int >= 1 (1 = no smoothing), got {self.smooth!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        raise ValueError(
+            f"protect must satisfy sinks <= protect <= budget - window: got protect={p}, allowed range "
+            f"[{lo}, {hi}] for sinks={self.sinks}, budget={self.budget}, window={self.window}"
+        )
+
+    def _validate_scoring(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not MIN_TEMPERATURE <= t < float("inf"):
+            raise ValueError(
+                f"temperature must be a finite number >= {MIN_TEMPERATURE:g} (smaller ones overflow the float32 "
+                f"attention logits, making every score 0), got {t!r}"
+            )
+        if not _is_int(self.smooth) or not 1 <= self.smooth <= 2 * self.budget:
+            raise ValueError(
+                f"smooth must be an int in [1, {2 * self.budget}] (at most 2 x budget: it is the width of the average "
+                "pool over the candidates' attention, and from 2 x budget - 1 on it gives every candidate of a decode "
+                f"eviction the same score; 1 = no smoothing), got {self.smooth!r}"
+            )
+        lo, hi = SEED_RANGE
+        if self.seed is not None and (not _is_int(self.seed) or not lo <= self.seed <= hi):
+            raise ValueError(f"seed must be None or an int in [-2**63, 2**64 - 1], got {self.seed!r}")
+
+    def _validate_modes(self) -> None:
         if not isinstance(self.policy, str):
             raise ValueError(f"policy must be a registered policy name, got {self.policy!r}")
         if self.attn_backend is not None and not isinstance(self.attn_backend, str):
             raise ValueError(f"attn_backend must be None or a backend name, got {self.attn_backend!r}")
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {', '.join(map(repr, PREFILL_MODES))}; got {self.prefill!r}")
+        if not isinstance(self.check_policy_output, bool):
+            raise ValueError(f"check_policy_output must be a bool, got {self.check_policy_output!r}")
         if not isinstance(self.policy_options, Mapping):
             raise ValueError(f"policy_options must be a mapping, got {type(self.policy_options).__name__}")
+        for key in self.policy_options:
+            if not isinstance(key, str):
+                raise ValueError(f"policy_options keys must be option names (strings), got {key!r}")
+        if self.policy == FULL and self.policy_options:
+            raise ValueError(
+                f"policy_options must be empty for policy='full' (the never-evicting mode has no policy), "
+                f"got {dict(self.policy_options)!r}"
+            )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from vasepatch.policies import base
 from vasepatch.policies.base import Policy
 
 
@@ -26,18 +27,27 @@ def kept_slots(
     Order: kept padding first, then real tokens in slot (= sequence) order, then the
     window, so that once gathered to the front each row's attendable slots form one
     contiguous range ending at the fill pointer.
+
+    The picks are checked here, where every policy's pass (`base.check_picks`: shape, dtype,
+    and unless `policy.check_output` is False, range, duplicates and padding kept over real
+    tokens), before anything is written. Eviction runs eagerly, after a compiled forward
+    (`VaSELayer.complete_step`), so the check's one host sync never enters a compiled graph;
+    should this ever be traced, only the metadata checks run.
     """
     n_cand = n - window
+    cand_valid = valid[:, :, :n_cand]
     idx = policy.select(
         keys[:, :, :n_cand],
         values[:, :, :n_cand],
         queries,
         positions[:, :, :n_cand],
-        valid[:, :, :n_cand],
+        cand_valid,
         budget - window,
         generator=generator,
     )
-    kept_valid = valid[:, :, :n_cand].gather(-1, idx)
+    data = getattr(policy, "check_output", True) and not torch.compiler.is_compiling()
+    base.check_picks(getattr(policy, "name", type(policy).__name__), idx, cand_valid, budget - window, data=data)
+    kept_valid = cand_valid.gather(-1, idx)
     idx = idx.gather(-1, torch.argsort(idx + n_cand * kept_valid.long(), dim=-1))
     recent = torch.arange(n_cand, n, device=idx.device).expand(*idx.shape[:2], window)
     return torch.cat([idx, recent], dim=-1)

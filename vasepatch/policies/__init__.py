@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from vasepatch.config import FULL
-from vasepatch.policies.base import INPUTS, Policy, PriorityFn, inputs_of
+from vasepatch.policies.base import INPUTS, Policy, PolicyOutputError, PriorityFn, check_picks, inputs_of
 from vasepatch.policies.dkv import dkv
 from vasepatch.policies.knorm import knorm
 from vasepatch.policies.options import COMMON_OPTIONS, Option, options_of, resolve
@@ -77,23 +77,28 @@ def get(name: str, **options: Any) -> Policy:
     """Build the policy registered under `name` with `options`, checked now (ValueError naming
     the option and what it accepts). The common options (`COMMON_OPTIONS`) reach only the
     policies that declare them; any other unknown option is a ValueError."""
+    return _build(name, options, check_output=True)
+
+
+def _build(name: str, options: dict[str, Any], check_output: bool) -> Policy:
     if name == FULL:
         raise _not_a_policy(name)
     try:
         priority, declared, preset = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; registered policies: {', '.join(available())}") from None
-    return Policy(name, priority, resolve(name, declared, {**preset, **options}))
+    return Policy(name, priority, resolve(name, declared, {**preset, **options}), check_output=check_output)
 
 
 def for_config(config: Any) -> Policy:
-    """The policy a `VaSEConfig` asks for, built with its common options and `policy_options`."""
+    """The policy a `VaSEConfig` asks for, built with its common options and `policy_options`
+    (checked now), its picks checked at each eviction unless `config.check_policy_output` is False."""
     common = {"protect": config.n_protect, "sinks": config.sinks}
     common.update(temperature=config.temperature, smooth=config.smooth)
     repeated = sorted(set(common) & set(config.policy_options))
     if repeated:
         raise ValueError(f"policy_options may not set {', '.join(repeated)}: set the VaSEConfig field(s) instead")
-    return get(config.policy, **common, **dict(config.policy_options))
+    return _build(config.policy, {**common, **config.policy_options}, config.check_policy_output)
 
 
 register("vase", vase)
@@ -114,7 +119,9 @@ __all__ = [
     "COMMON_OPTIONS",
     "INPUTS",
     "Policy",
+    "PolicyOutputError",
     "available",
+    "check_picks",
     "config_names",
     "dkv",
     "for_config",

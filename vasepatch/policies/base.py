@@ -12,9 +12,11 @@ inputs it reads, out of `INPUTS`; its keyword-only parameters are its options
 - `valid`: `[B, Hkv, N]` bool, False for padding and empty slots.
 - `n_keep`: how many candidates will be kept; `generator`: the only source of randomness.
 
-`Policy.select` runs the input checks, calls the function, gives invalid
-candidates `-inf` and takes the top `n_keep`, so every policy returns distinct
-indices with the valid candidates first.
+`Policy.select` runs the input checks, calls the function, checks the priority's
+shape and dtype, ranks invalid candidates last and takes the top `n_keep`, so
+every policy returns distinct indices with the valid candidates first.
+`check_picks` checks the indices an eviction is about to keep, whatever
+produced them (a `Policy` subclass may override `select`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ INPUTS = ("keys", "values", "queries", "positions", "valid", "n_keep", "generato
 PriorityFn = Callable[..., torch.Tensor]
 
 
+class PolicyOutputError(RuntimeError):
+    """A policy returned something an eviction cannot use; the message names the policy.
+    Raised before the cache is touched."""
+
+
 def inputs_of(fn: PriorityFn) -> tuple[str, ...]:
     """The names of the inputs a priority function reads (its positional parameters)."""
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -46,14 +53,18 @@ class Policy:
     """Chooses which eviction candidates to keep: `priority(inputs..., **options)`, then top-k.
 
     Pure: it owns no buffers and never touches the cache. Built by
-    `vasepatch.policies.get`, which checks the options first.
+    `vasepatch.policies.get`, which checks the options first. `check_output=False`
+    skips the data-dependent checks of its picks at each eviction (`check_picks`).
     """
 
-    def __init__(self, name: str, priority: PriorityFn, options: Mapping[str, Any]) -> None:
+    def __init__(
+        self, name: str, priority: PriorityFn, options: Mapping[str, Any], *, check_output: bool = True
+    ) -> None:
         self.name = name
         self.priority = priority
         self.options = MappingProxyType(dict(options))
         self.inputs = inputs_of(priority)
+        self.check_output = check_output
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
@@ -75,4 +86,85 @@ class Policy:
         given = {"keys": keys, "values": values, "queries": queries, "positions": positions}
         given.update(valid=valid, n_keep=n_keep, generator=generator)
         priority = self.priority(*(given[name] for name in self.inputs), **self.options)
-        return scoring.top_k_by_priority(priority.masked_fill(~valid, float("-inf")), n_keep)
+        check_priority(self.name, priority, valid)
+        return scoring.top_k_by_priority(ranked(priority, valid), n_keep)
+
+
+def ranked(priority: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The priority `top_k` ranks by: invalid candidates `-inf`, and valid ones whose priority
+    is `-inf` or NaN (which `topk` would tie with padding, or rank above `+inf`) the lowest
+    finite value, so that a valid candidate always beats an invalid one."""
+    low = torch.finfo(priority.dtype).min
+    clean = priority.nan_to_num(nan=low, posinf=float("inf"), neginf=low)
+    return clean.masked_fill(~valid, float("-inf"))
+
+
+def check_priority(name: str, priority: Any, valid: torch.Tensor) -> None:
+    """A priority must be a floating-point `[B, Hkv, N]` tensor on the candidates' device
+    (host metadata only: no sync). A broadcastable shape would silently apply one row's
+    priorities to every row."""
+    if not isinstance(priority, torch.Tensor):
+        raise PolicyOutputError(f"policy {name!r} returned {type(priority).__name__} instead of a priority tensor")
+    if priority.shape != valid.shape:
+        raise PolicyOutputError(
+            f"policy {name!r} returned a priority of shape {list(priority.shape)}; expected {list(valid.shape)} "
+            "(batch, kv_heads, candidates)"
+        )
+    if not priority.is_floating_point():
+        raise PolicyOutputError(
+            f"policy {name!r} returned a priority of dtype {priority.dtype}; expected a floating-point tensor"
+        )
+    if priority.device != valid.device:
+        raise PolicyOutputError(f"policy {name!r} returned a priority on {priority.device}; expected {valid.device}")
+
+
+def check_picks(name: str, idx: Any, valid: torch.Tensor, n_keep: int, *, data: bool = True) -> None:
+    """Check the `[B, Hkv, n_keep]` int64 indices a policy picked out of the candidates `valid`
+    (`[B, Hkv, N]`) before an eviction keeps them; `PolicyOutputError` names the policy.
+
+    Shape, dtype and device are host metadata (free). With `data`, one host sync checks the
+    values: each in `[0, N)`, distinct per row and KV head, and exactly `min(n_keep, real
+    candidates)` of them real tokens (never padding while a real token is left out)."""
+    b, h, n = valid.shape
+    if not isinstance(idx, torch.Tensor):
+        raise PolicyOutputError(f"policy {name!r} returned {type(idx).__name__} instead of a tensor of indices")
+    if tuple(idx.shape) != (b, h, n_keep):
+        raise PolicyOutputError(
+            f"policy {name!r} returned indices of shape {list(idx.shape)}; expected {[b, h, n_keep]} "
+            "(batch, kv_heads, keep)"
+        )
+    if idx.dtype != torch.int64:
+        raise PolicyOutputError(f"policy {name!r} returned indices of dtype {idx.dtype}; expected torch.int64")
+    if idx.device != valid.device:
+        raise PolicyOutputError(f"policy {name!r} returned indices on {idx.device}; expected {valid.device}")
+    if not data or n_keep == 0:
+        return
+    lo, hi = idx.aminmax()
+    kept = torch.zeros_like(valid).scatter_(-1, idx.clamp(0, n - 1), True)  # O(keep): no sort
+    distinct = kept.sum(-1) == n_keep
+    real = (kept & valid).sum(-1) == valid.sum(-1).clamp(max=n_keep)
+    if bool((lo >= 0) & (hi < n) & distinct.all() & real.all()):  # the one host sync
+        return
+    raise PolicyOutputError(_describe(name, idx, valid, n_keep))
+
+
+def _describe(name: str, idx: torch.Tensor, valid: torch.Tensor, n_keep: int) -> str:
+    """The message for the first bad pick (error path only: it may sync freely)."""
+    n = valid.shape[-1]
+    outside = (idx < 0) | (idx >= n)
+    if bool(outside.any()):
+        b, h, k = outside.nonzero()[0].tolist()
+        return f"policy {name!r} returned index {idx[b, h, k].item()} (row {b}, KV head {h}) outside [0, {n})"
+    s = idx.sort(-1).values
+    repeated = s[..., 1:] == s[..., :-1]
+    if bool(repeated.any()):
+        b, h, k = repeated.nonzero()[0].tolist()
+        return f"policy {name!r} returned candidate {s[b, h, k].item()} twice (row {b}, KV head {h})"
+    real = valid.sum(-1)
+    kept = valid.gather(-1, idx).sum(-1)
+    b, h = (kept != real.clamp(max=n_keep)).nonzero()[0].tolist()
+    return (
+        f"policy {name!r} kept {kept[b, h].item()} real tokens (row {b}, KV head {h}, which has "
+        f"{real[b, h].item()} real candidates): it must keep min(keep={n_keep}, real candidates) = "
+        f"{min(n_keep, real[b, h].item())}, never padding while a real token is left out"
+    )

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from vasepatch.policies import scoring
-from vasepatch.policies.options import AtLeast, Sinks
+from vasepatch.policies.options import AtLeast, Seed, Sinks
 
 
 @functools.lru_cache(maxsize=64)
@@ -33,7 +33,7 @@ def dkv(
     sinks: Sinks = 4,
     rank: Annotated[int, AtLeast(1)] = 20,
     resample: bool = True,
-    seed: int = 0,
+    seed: Seed = 0,
 ) -> Tensor:
     """Keep the sinks, then the candidates with the largest `||K G||^2 * ||V G||^2`.
 

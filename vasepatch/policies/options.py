@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+from vasepatch.config import MAX_SLOTS, MIN_TEMPERATURE, SEED_RANGE
+
 COMMON_OPTIONS = ("protect", "sinks", "temperature", "smooth")
 _KINDS = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
 
@@ -22,12 +24,13 @@ _KINDS = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
 @dataclass(frozen=True)
 class AtLeast:
     low: float
+    finite: bool = False
 
     def ok(self, value: Any) -> bool:
-        return value >= self.low
+        return value >= self.low and (not self.finite or math.isfinite(value))
 
     def __str__(self) -> str:
-        return f">= {self.low}"
+        return f"{'finite and ' if self.finite else ''}>= {self.low}"
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,12 @@ class OneOf:
         return "one of " + ", ".join(map(repr, self.choices))
 
 
-Protect = Annotated[int, AtLeast(0)]  # slots for the sinks and the largest-range values
-Sinks = Annotated[int, AtLeast(0)]  # candidates at absolute positions < sinks are kept
-Temperature = Annotated[float, Above(0)]  # of the window-attention softmax
-Smooth = Annotated[int, AtLeast(1)]  # width of the average pool over window attention (1 = off)
+# The bounds are those of VaSEConfig (vasepatch.config), so that a policy built by hand accepts what a patch does.
+Protect = Annotated[int, Between(0, MAX_SLOTS)]  # slots for the sinks and the largest-range values
+Sinks = Annotated[int, Between(0, MAX_SLOTS)]  # candidates at absolute positions < sinks are kept
+Temperature = Annotated[float, AtLeast(MIN_TEMPERATURE, finite=True)]  # of the window-attention softmax
+Smooth = Annotated[int, Between(1, MAX_SLOTS)]  # width of the average pool over window attention (1 = off)
+Seed = Annotated[int, Between(*SEED_RANGE)]  # what torch.Generator.manual_seed accepts
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,12 @@ class Option:
             typed = isinstance(value, self.kind)
         else:
             typed = True
-        return typed and (self.constraint is None or bool(self.constraint.ok(value)))
+        if not typed or self.constraint is None:
+            return typed
+        try:
+            return bool(self.constraint.ok(value))
+        except TypeError:  # a value the constraint cannot compare (an option of a type vasepatch does not know)
+            return False
 
 
 def options_of(fn: Callable[..., Any]) -> dict[str, Option]:
