@@ -10,6 +10,7 @@ from vasepatch.config import VaSEConfig
 from vasepatch.errors import AlreadyPatchedError, ModelInUseError, NotPatchedError, UnsupportedModelError
 from vasepatch.integration.families import SUPPORTED_FAMILIES
 from vasepatch.integration.patching import PatchHandle, is_patched, patch, patched, unpatch
+from vasepatch.policies import PolicyOutputError
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,7 @@ __all__ = [
     "ModelInUseError",
     "NotPatchedError",
     "PatchHandle",
+    "PolicyOutputError",
     "UnsupportedModelError",
     "VaSECache",
     "VaSEConfig",

@@ -29,7 +29,9 @@ pickle of a patched model carries a working patch of its own.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -65,6 +67,12 @@ def _refuse_compiled(model: Any) -> None:
         )
 
 
+def _default(name: str) -> Any:
+    """A `VaSEConfig` field's default (default factories included)."""
+    field = VaSEConfig.__dataclass_fields__[name]
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+
 def _config_from_arguments(config: VaSEConfig | None, budget: int | None, **settings: Any) -> VaSEConfig:
     if config is None:
         if budget is None:
@@ -72,8 +80,7 @@ def _config_from_arguments(config: VaSEConfig | None, budget: int | None, **sett
         return VaSEConfig(budget=budget, **settings)
     if not isinstance(config, VaSEConfig):
         raise ValueError(f"config must be a vasepatch.VaSEConfig, got {type(config).__name__}")
-    defaults = VaSEConfig.__dataclass_fields__
-    changed = [k for k, v in settings.items() if v != defaults[k].default]
+    changed = [k for k, v in settings.items() if v != _default(k)]
     if budget is not None and budget != config.budget:
         changed.insert(0, "budget")
     if changed:
@@ -94,6 +101,8 @@ def patch(
     seed: int | None = None,
     attn_backend: str | None = None,
     prefill: str = "compress",
+    policy_options: Mapping[str, Any] | None = None,
+    check_policy_output: bool = True,
     config: VaSEConfig | None = None,
 ) -> PatchHandle:
     """Give `model` a fixed-size KV cache with VaSE eviction; returns a `PatchHandle`.
@@ -102,8 +111,9 @@ def patch(
     layer and head after each eviction (evicting once every `window` decode
     steps), in buffers of `budget + window` slots per layer, row and KV head
     whatever the prompt (`prefill="keep"`: `max(prompt, budget) + window`).
-    Everything is validated before the model is touched; on any error the model is
-    left exactly as it was. See `VaSEConfig` for the settings.
+    Everything is validated before the model is touched (including that one
+    sequence's buffers fit the device's memory); on any error the model is left
+    exactly as it was. See `VaSEConfig` for the settings.
     """
     check_transformers()
     _refuse_compiled(model)
@@ -122,8 +132,11 @@ def patch(
         seed=seed,
         attn_backend=attn_backend,
         prefill=prefill,
+        policy_options=dict(policy_options or {}),
+        check_policy_output=check_policy_output,
     )
     chosen = policy_for(cfg)
+    _check_fits(model, layout, cfg)
     backend = _choose_backend(model, cfg)
     attention.register()
 
@@ -137,6 +150,23 @@ def patch(
             restore()
         raise
     return handle
+
+
+def _check_fits(model: torch.nn.Module, layout: ModelLayout, config: VaSEConfig) -> None:
+    """Refuse (naming `budget`) a buffer that one sequence could never allocate on the model's device."""
+    param = next(model.parameters(), None)
+    if param is None:
+        return
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    bytes_per_slot = 2 * len(layout.attention_modules) * kv_heads * head_dim * param.element_size()
+    if param.device.type == "cuda":
+        available, where = torch.cuda.get_device_properties(param.device).total_memory, "GPU memory"
+    else:
+        available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
+    config.check_fits(bytes_per_slot, available, where)
 
 
 def _choose_backend(model: torch.nn.Module, config: VaSEConfig) -> str:
