@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from property_tests.strategies import PolicyCase, policy_cases
 from vasepatch import policies
+from vasepatch.policies import base
 
 
 def _build(name: str, case: PolicyCase, **extra):
@@ -40,8 +41,70 @@ def test_every_policy_returns_distinct_valid_first_indices(name, case):
 @pytest.mark.parametrize("name", policies.available())
 @given(case=policy_cases())
 def test_every_policy_is_seeded_reproducible(name, case):
+    """The generator's seed alone decides: the global RNG is in a different state for each call."""
     policy = _build(name, case)
-    assert torch.equal(_select(policy, case, seed=1), _select(policy, case, seed=1))
+    torch.manual_seed(case.seed)
+    first = _select(policy, case, seed=1)
+    torch.manual_seed(case.seed + 1)
+    assert torch.equal(first, _select(policy, case, seed=1))
+
+
+def _corruptions(idx: torch.Tensor, valid: torch.Tensor, n_keep: int):
+    """(what, corrupted picks) for every kind of bad output this case allows."""
+    n = valid.shape[-1]
+    if n_keep >= 1:
+        for bad in (n, -1):
+            out = idx.clone()
+            out[0, 0, 0] = bad
+            yield f"index {bad}", out
+    if n_keep >= 2:
+        out = idx.clone()
+        out[-1, -1, 1] = out[-1, -1, 0]
+        yield "duplicate", out
+    kept = torch.zeros_like(valid).scatter(-1, idx, True)
+    for b, h in (valid.sum(-1) > 0).nonzero().tolist():
+        real_kept = (valid[b, h] & kept[b, h]).nonzero().flatten()
+        pad_left = (~valid[b, h] & ~kept[b, h]).nonzero().flatten()
+        if len(real_kept) and len(pad_left):
+            out = idx.clone()
+            out[b, h][idx[b, h] == real_kept[0]] = pad_left[0]
+            yield "padding over a real token", out
+            return
+
+
+@pytest.mark.parametrize("name", policies.available())
+@given(case=policy_cases())
+def test_the_output_check_accepts_every_policy_and_rejects_each_corruption(name, case):
+    """`check_picks` (run at every eviction) never refuses what a registered policy picks, and
+    refuses every corruption of it: out of range, duplicated, padding kept over a real token."""
+    idx = _select(_build(name, case), case)
+    policies.check_picks(name, idx, case.valid, case.n_keep)
+    for _what, bad in _corruptions(idx, case.valid, case.n_keep):
+        with pytest.raises(policies.PolicyOutputError, match=f"policy '{name}'"):
+            policies.check_picks(name, bad, case.valid, case.n_keep)
+        policies.check_picks(name, bad, case.valid, case.n_keep, data=False)  # switched off: not looked at
+    with pytest.raises(policies.PolicyOutputError, match=r"shape"):
+        policies.check_picks(name, idx.flatten(), case.valid, case.n_keep)
+
+
+PRIORITY_VALUES = (float("nan"), float("-inf"), float("inf"), -1e30, 0.0, 1.0)
+
+
+@given(case=policy_cases(), data=st.data())
+def test_valid_candidates_rank_first_whatever_the_priority(case, data):
+    """However a priority function scores the candidates (NaN, -inf, +inf included), the valid
+    ones are kept first, and +inf ones before every other."""
+    shape = case.valid.shape
+    codes = data.draw(
+        st.lists(st.integers(0, len(PRIORITY_VALUES) - 1), min_size=shape.numel(), max_size=shape.numel())
+    )
+    priority = torch.tensor([PRIORITY_VALUES[c] for c in codes]).view(shape)
+    idx = torch.topk(base.ranked(priority, case.valid), case.n_keep, dim=-1).indices
+    kept = _kept_mask(idx, shape[-1])
+    assert torch.equal((kept & case.valid).sum(-1), case.valid.sum(-1).clamp(max=case.n_keep))
+    protected = case.valid & (priority == float("inf"))
+    fits = protected.sum(-1) <= case.n_keep
+    assert (kept | ~protected)[fits].all()
 
 
 def _kept_mask(idx, n):
