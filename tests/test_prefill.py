@@ -105,10 +105,10 @@ def test_prefill_keep_refusal_moves_nothing_and_reset_sizes_the_buffer_for_a_lon
     assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
     step(layer, torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8))  # a fitting step works
     assert layer.counters.tokens_seen == 14 == int(layer.seen) == int(layer.next_position[0])
-    evictions = layer.counters.evictions
-    layer.reset()
+    assert layer.counters.evictions > 0
+    layer.reset()  # a fresh start: counters restart, the next prompt sizes the buffer again
     step(layer, torch.randn(1, 1, 30, 8), torch.randn(1, 1, 30, 8), torch.randn(1, 1, 30, 8))
-    assert layer.capacity == 32 and layer.counters.occupancy == 30 and layer.counters.evictions == evictions
+    assert layer.capacity == 32 and layer.counters.occupancy == 30 and layer.counters.evictions == 0
 
 
 def test_full_mode_never_evicts_and_grows_like_a_dynamic_cache():

@@ -18,6 +18,11 @@ class LayerCounters:
     capacity: int = 0  # slots allocated per row and KV head
     kv_bytes: int = 0  # bytes held by the K and V buffers
 
+    def restart(self) -> None:
+        """A new generation on the same buffers (`reset`): the counts start over, while
+        `capacity` and `kv_bytes` describe the buffers, which are kept."""
+        self.occupancy = self.tokens_seen = self.evictions = self.evicted = 0
+
 
 @dataclass
 class CacheMonitor:
@@ -49,6 +54,10 @@ class SeededGenerator:
     def __init__(self, seed: int | None) -> None:
         self.seed = seed
         self._generator: torch.Generator | None = None
+
+    def reset(self) -> None:
+        """Start over from `seed` at the next draw (a reset cache repeats a fresh one)."""
+        self._generator = None
 
     def get(self, device: torch.device) -> torch.Generator | None:
         if self.seed is None:

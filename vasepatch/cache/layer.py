@@ -125,20 +125,22 @@ class VaSELayer(FixedBatchLayer):
         return self._write(key_states, value_states, new_pos, new_valid, self.counters.occupancy + q_len, first)
 
     def _make_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
-        """Eagerly, before a step moves anything: whether it must take the overflow path.
-        Grows the buffer where a mode allows it (never-evicting; `prefill="keep"` on the
-        first step after a `reset`), refuses a later step that `keep` cannot hold."""
+        """Eagerly, before a step moves anything: whether it must take the overflow path. Grows the buffer
+        where a mode allows it (never-evicting; `keep` after a `reset`), refuses a step `keep` cannot hold."""
         cfg, occ, q_len = self.config, self.counters.occupancy, key_states.shape[-2]
+        keep = cfg.prefill == schedule.KEEP and self.policy is not None
+        if keep and self.counters.tokens_seen == 0:  # a prompt after reset(): room for it plus one window
+            need = schedule.capacity(cfg.budget, cfg.window, q_len, cfg.prefill)
+            if need > self.capacity:
+                self._allocate(key_states, value_states, need)
+            return False
         if schedule.fits(self.capacity, occ, q_len):
             return False
         if self.policy is None:  # grow `window` slots past the need: a realloc every `window` tokens
             self._allocate(key_states, value_states, occ + q_len + cfg.window)
             return False
-        if cfg.prefill != schedule.KEEP:
+        if not keep:
             return True
-        if self.counters.tokens_seen == 0:  # a longer prompt after reset(): size the buffer for it
-            self._allocate(key_states, value_states, schedule.capacity(cfg.budget, cfg.window, q_len, cfg.prefill))
-            return False
         raise RuntimeError(
             f"vasepatch cache overflow: {occ} slots in use + {q_len} new tokens > capacity {self.capacity}. "
             "With prefill='keep' the buffer is sized by the first step; feed later multi-token steps at most "
@@ -268,7 +270,8 @@ class VaSELayer(FixedBatchLayer):
             for t in (self.next_position, self.fill, self.seen):
                 t.zero_()
         self.ring.reset()
-        self.counters.occupancy = self.counters.tokens_seen = 0
+        self.rng.reset()
+        self.counters.restart()
         self._pending = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
