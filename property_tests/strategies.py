@@ -3,6 +3,11 @@
 Tensors are generated from a drawn seed (fast), while everything structural
 (shapes, settings, padding, the kind of value distribution) is drawn by
 hypothesis so that it can shrink failures.
+
+Most examples are drawn where a policy really chooses (`0 < n_keep <` the valid
+candidates of some row; caches that evict more than once), and a tenth at the edges
+(nothing to keep, everything kept, no valid candidate, no eviction): with uniform draws
+only 20% of the policy examples and 55% of the cache examples chose anything.
 """
 
 from __future__ import annotations
@@ -45,13 +50,13 @@ class PolicyCase:
 @st.composite
 def policy_cases(draw) -> PolicyCase:
     b, h, g_size = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    n, d, w = draw(st.integers(1, 40)), draw(st.integers(1, 8)), draw(st.integers(1, 6))
-    n_keep = draw(st.integers(0, n))
-    sinks = draw(st.integers(0, 6))
-    protect = draw(st.integers(min(sinks, n_keep), max(n_keep, min(sinks, n_keep))))
+    edge = draw(st.integers(0, 9)) == 0  # a tenth of the examples: any sizes and layouts
+    n = draw(st.integers(1, 40) if edge else st.integers(4, 40))
+    d, w = draw(st.integers(1, 8)), draw(st.integers(1, 6))
     seed = draw(st.integers(0, 2**31 - 1))
     kind = draw(st.sampled_from(VALUE_KINDS))
-    layout = draw(st.sampled_from(["left_padding", "random_holes", "all_valid", "none_valid"]))
+    layouts = ["left_padding", "random_holes", "all_valid"] + (["none_valid"] if edge else [])
+    layout = draw(st.sampled_from(layouts))
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(b, h, n, d, generator=g) * draw(st.sampled_from([0.1, 1.0, 10.0, 100.0]))
     values = make_values((b, h, n, d), kind, g)
@@ -68,6 +73,11 @@ def policy_cases(draw) -> PolicyCase:
     # positions: increasing over real tokens (as after compaction), shuffled start offsets
     positions = valid.long().cumsum(-1) - 1 + torch.randint(0, 3, (b, h, 1), generator=g) * valid.long()
     positions = positions.masked_fill(~valid, -1)
+    most_valid = int(valid.sum(-1).max())
+    edge = edge or most_valid < 2
+    n_keep = draw(st.integers(0, n) if edge else st.integers(1, most_valid - 1))  # a real choice unless `edge`
+    sinks = draw(st.integers(0, 6))
+    protect = draw(st.integers(min(sinks, n_keep), max(n_keep, min(sinks, n_keep))))
     temperature = draw(st.sampled_from([0.5, 1.0, 2.0]))
     smooth = draw(st.sampled_from([1, 3, 5, 4]))
     return PolicyCase(keys, values, queries, positions, valid, n_keep, protect, sinks, temperature, smooth, seed)
@@ -119,7 +129,11 @@ def cache_cases(draw, max_budget: int = 24) -> CacheCase:
         protect=protect,
         sinks=sinks,
         prompt_lengths=draw(st.permutations(prompt_lengths)),
-        decode_steps=draw(st.integers(0, 3 * budget)),
+        decode_steps=draw(
+            st.integers(0, 3 * budget)  # a tenth: any length, no eviction included
+            if draw(st.integers(0, 9)) == 0
+            else st.integers(budget + 2 * window, 3 * budget + 2 * window)  # evicts at least twice
+        ),
         value_kind=draw(st.sampled_from(VALUE_KINDS)),
         seed=draw(st.integers(0, 2**31 - 1)),
         sample=draw(st.booleans()),
