@@ -129,6 +129,9 @@ def test_compiled_sampling_is_seeded_and_matches_eager(make_model):
         finally:
             del model.forward
     assert torch.equal(first, eager) and torch.equal(second, eager)
+    with vasepatch.patched(model, budget=BUDGET, window=WINDOW, seed=8):
+        other_seed = sample()  # same global RNG, another eviction seed: the seed must matter
+    assert not torch.equal(other_seed, eager)
 
 
 def test_compiled_step_defers_bookkeeping_to_the_forward_hook(make_model):

@@ -107,13 +107,11 @@ def patch(
 ) -> PatchHandle:
     """Give `model` a fixed-size KV cache with VaSE eviction; returns a `PatchHandle`.
 
-    After this, a plain `model.generate(...)` keeps at most `budget` KV pairs per
-    layer and head after each eviction (evicting once every `window` decode
-    steps), in buffers of `budget + window` slots per layer, row and KV head
-    whatever the prompt (`prefill="keep"`: `max(prompt, budget) + window`).
-    Everything is validated before the model is touched (including that one
-    sequence's buffers fit the device's memory); on any error the model is left
-    exactly as it was. See `VaSEConfig` for the settings.
+    After this, a plain `model.generate(...)` keeps at most `budget` KV pairs per layer and
+    head after each eviction (one every `window` decode steps), in buffers of `budget + window`
+    slots per layer, row and KV head whatever the prompt (`prefill="keep"`: `max(prompt,
+    budget) + window`). Everything is validated first (one sequence's buffers must fit the
+    device's memory); on any error the model is left as it was. Settings: `VaSEConfig`.
     """
     check_transformers()
     _refuse_compiled(model)
