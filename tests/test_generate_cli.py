@@ -204,3 +204,8 @@ def test_status_line_drops_the_full_cache_figure_where_it_would_not_fit():
     assert wide == "384 tokens | 11.0 tok/s | occupancy 150/160 | 11 evictions | KV 7.03 MiB (full cache 21.49 MiB)"
     assert streaming.status_line(384, 11.04, stats, width=80) == wide.split(" (full")[0]
     assert streaming.status_line(1, None, None) == "1 token | - tok/s"
+
+
+def test_memory_comparison_says_more_when_the_run_is_shorter_than_the_buffer():
+    assert generate.compare_memory(100, 305) == "3.05x less"
+    assert generate.compare_memory(800, 100).startswith("8.00x more: the buffer holds budget + window slots")

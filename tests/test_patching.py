@@ -73,8 +73,11 @@ def test_unknown_policy_message_lists_registered(make_model):
 def test_range_is_named_in_messages():
     with pytest.raises(ValueError, match=r"allowed range \[4, 56\]"):
         vasepatch.VaSEConfig(budget=64, window=8, protect=60)
-    with pytest.raises(ValueError, match=r"1 <= window <= 63"):
+    with pytest.raises(ValueError, match=r"1 <= window <= budget - max\(sinks, 1\) = 60"):
         vasepatch.VaSEConfig(budget=64, window=64)
+    vasepatch.VaSEConfig(budget=64, window=60, protect=4)  # the bound itself is accepted
+    with pytest.raises(ValueError, match=r"budget=8 leaves no room for a window besides sinks=8; raise budget"):
+        vasepatch.VaSEConfig(budget=8, sinks=8)
 
 
 def test_config_object_and_keywords_do_not_mix(make_model):

@@ -119,9 +119,15 @@ class VaSEConfig:
         if not _is_int(self.window) or self.window < 1:
             raise ValueError(f"window must be a positive int, got {self.window!r}")
         if self.window >= self.budget:
+            # the hint must be followable: the sinks need slots of their own besides the window
+            sinks = self.sinks if _is_int(self.sinks) and self.sinks >= 1 else 1
+            hint = (
+                f"allowed: 1 <= window <= budget - max(sinks, 1) = {self.budget - sinks}"
+                if self.budget - sinks >= 1
+                else f"budget={self.budget} leaves no room for a window besides sinks={self.sinks}; raise budget"
+            )
             raise ValueError(
-                f"window must be smaller than budget: got window={self.window}, budget={self.budget} "
-                f"(allowed: 1 <= window <= {self.budget - 1})"
+                f"window must be smaller than budget: got window={self.window}, budget={self.budget} ({hint})"
             )
         if self.budget + self.window > MAX_SLOTS:
             raise ValueError(

@@ -97,4 +97,4 @@ def _print_memory(ours: generate.Run, full: generate.Run | None, prompt_len: int
     for name, nbytes in rows:
         print(f"{name:>12}: {nbytes / MIB:7.2f} MiB")
     if full:
-        print(f"{'ratio':>12}: {full.kv_bytes / ours.kv_bytes:7.2f}x less KV memory with vasepatch")
+        print(f"{'ratio':>12}: {generate.compare_memory(ours.kv_bytes, full.kv_bytes)} KV memory with vasepatch")
