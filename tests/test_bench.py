@@ -3,6 +3,7 @@ accounting and option errors. Timings are never asserted."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -60,13 +61,12 @@ def test_cli_end_to_end_writes_json_markdown_and_plots(tmp_path):
     md = (out / "bench.md").read_text()
     assert "Batch 1:" in md and "Batch 2:" in md and "| vase | 32 |" in md
     assert (out / "throughput.png").stat().st_size > 0 and (out / "memory.png").stat().st_size > 0
-    try:
-        kvpress_module()
-    except RuntimeError:
+    # kvpress is never imported in this process: importing it wraps transformers' attention functions process-wide
+    if importlib.util.find_spec("kvpress") is None or result["errors"]:
         assert [e["method"] for e in result["errors"]] == ["kvpress"]
         assert "kvpress is not importable" in result["errors"][0]["error"]
         assert "kvpress" in md
-    else:  # CI installs kvpress beside the oldest transformers (kvpress 0.5.5 needs transformers < 5.3)
+    else:  # kvpress installed (its own venv: kvpress 0.5.5 needs transformers < 5.3); it ran in a worker process
         assert not result["errors"]
         kvpress = {(r["batch"], r["length"]): r for r in result["results"] if r["method"] == "kvpress"}
         dense = {(r["batch"], r["length"]): r for r in result["results"] if r["method"] == "dense"}
