@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache
 
 from vasepatch.cache.counters import CacheMonitor, LayerCounters, SeededGenerator
 from vasepatch.cache.layer import VaSELayer
+from vasepatch.cache.plan import LayerPlan, default_plans
 from vasepatch.config import VaSEConfig
 from vasepatch.policies.base import Policy
 
@@ -25,7 +26,9 @@ class VaSECache(Cache):
     """A transformers `Cache` of `VaSELayer`s: what a patched model's `generate` uses.
 
     `policy=None` makes the never-evicting reference (`VaSEConfig(policy="full")`),
-    whose buffers grow with the sequence, `window` slots past the need at a time."""
+    whose buffers grow with the sequence, `window` slots past the need at a time.
+    `plans` (one `LayerPlan` per layer; default: global layers on one device) carry the
+    per-layer facts: the layer index, a sliding window, the tensor-parallel head offset."""
 
     def __init__(
         self,
@@ -33,13 +36,17 @@ class VaSECache(Cache):
         policy: Policy | None,
         num_layers: int,
         monitor: CacheMonitor | None = None,
+        plans: tuple[LayerPlan, ...] | None = None,
     ) -> None:
         rng = SeededGenerator(config.seed)
         counters = [LayerCounters() for _ in range(num_layers)]
         if monitor is not None:
             monitor.layers = counters
             monitor.generations += 1
-        layers = [VaSELayer(config, policy, rng, c) for c in counters]
+        plans = default_plans(num_layers) if plans is None else tuple(plans)
+        if len(plans) != num_layers:
+            raise ValueError(f"got {len(plans)} layer plans for {num_layers} layers")
+        layers = [VaSELayer(config, policy, rng, c, plan) for c, plan in zip(counters, plans)]
         super().__init__(layers=layers)
         self.config = config
 

@@ -25,6 +25,7 @@ import torch
 from vasepatch.cache import eviction, schedule
 from vasepatch.cache.counters import LayerCounters, SeededGenerator
 from vasepatch.cache.fixed_batch import FixedBatchLayer
+from vasepatch.cache.plan import LayerPlan
 from vasepatch.cache.query_ring import QueryRing
 from vasepatch.cache.static import mark_static
 from vasepatch.cache.step import Step
@@ -43,9 +44,11 @@ class VaSELayer(FixedBatchLayer):
         policy: Policy | None,
         rng: SeededGenerator | None = None,
         counters: LayerCounters | None = None,
+        plan: LayerPlan | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        self.plan = plan if plan is not None else LayerPlan(0)
         self.policy = policy
         self.rng = rng if rng is not None else SeededGenerator(config.seed)
         self.counters = counters if counters is not None else LayerCounters()

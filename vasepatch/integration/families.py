@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from vasepatch.cache.plan import LayerPlan, default_plans
 from vasepatch.errors import UnsupportedModelError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -21,6 +22,10 @@ class ModelLayout:
     num_query_heads: int
     num_kv_heads: int
     head_dim: int
+    plans: tuple[LayerPlan, ...] = field(default=())  # one per decoder layer; empty: global layers on one device
+
+    def layer_plans(self) -> tuple[LayerPlan, ...]:
+        return self.plans or default_plans(len(self.attention_modules))
 
 
 def _supported() -> str:

@@ -165,10 +165,10 @@ class PatchHandle:
         """
         n_layers = len(self.layout.attention_modules)
         if config is None:
-            return VaSECache(self.config, self.policy, n_layers, self.monitor)
+            return VaSECache(self.config, self.policy, n_layers, self.monitor, self.layout.layer_plans())
         if not isinstance(config, VaSEConfig):
             raise ValueError(f"config must be a vasepatch.VaSEConfig, got {type(config).__name__}")
-        return VaSECache(config, policy_for(config), n_layers)
+        return VaSECache(config, policy_for(config), n_layers, plans=self.layout.layer_plans())
 
     def stats(self) -> dict[str, int]:
         """Counters of the most recent generation (the most recently started one, when
