@@ -33,6 +33,20 @@ from vasepatch.config import VaSEConfig
 from vasepatch.policies.base import Policy
 
 
+def new_valid_mask(padding: torch.Tensor | None, q_len: int, batch_size: int, device: torch.device) -> torch.Tensor:
+    """`[B, Q]` bool: which of a step's `q_len` tokens are real, from the 2-D `padding` mask."""
+    if padding is None:
+        return torch.ones((batch_size, q_len), dtype=torch.bool, device=device)
+    if padding.dim() != 2:
+        raise ValueError(
+            "vasepatch needs a 2-D attention mask ([batch, sequence], 1 = real token, 0 = padding); "
+            f"got a {padding.dim()}-D mask of shape {tuple(padding.shape)}"
+        )
+    if padding.shape[-1] < q_len:
+        raise ValueError(f"attention mask has {padding.shape[-1]} columns, fewer than the {q_len} new tokens")
+    return padding[:, -q_len:].to(device=device, dtype=torch.bool)
+
+
 class VaSELayer(FixedBatchLayer):
     """Static KV buffers of one decoder layer with VaSE eviction (`policy=None`: never evict)."""
 
@@ -113,7 +127,7 @@ class VaSELayer(FixedBatchLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q_len = key_states.shape[-2]
-        new_valid = self._new_valid(padding, q_len)
+        new_valid = new_valid_mask(padding, q_len, self.batch_size, self.device)
         compiling = torch.compiler.is_compiling()
         overflow = False if compiling else self._make_room(key_states, value_states)  # may raise: nothing moved yet
         counts = new_valid.long().cumsum(-1) if q_len > 1 else new_valid.long()
@@ -150,18 +164,6 @@ class VaSELayer(FixedBatchLayer):
             "tokens_until_eviction() tokens at a time, or use prefill='compress', which compresses any step "
             "that does not fit (e.g. prefill_chunk_size chunks)"
         )
-
-    def _new_valid(self, padding: torch.Tensor | None, q_len: int) -> torch.Tensor:
-        if padding is None:
-            return torch.ones((self.batch_size, q_len), dtype=torch.bool, device=self.device)
-        if padding.dim() != 2:
-            raise ValueError(
-                "vasepatch needs a 2-D attention mask ([batch, sequence], 1 = real token, 0 = padding); "
-                f"got a {padding.dim()}-D mask of shape {tuple(padding.shape)}"
-            )
-        if padding.shape[-1] < q_len:
-            raise ValueError(f"attention mask has {padding.shape[-1]} columns, fewer than the {q_len} new tokens")
-        return padding[:, -q_len:].to(device=self.device, dtype=torch.bool)
 
     def _write(self, k, v, new_pos, new_valid, length: int, first: bool) -> Step:
         """Write the step's tokens at the fill pointer (device-side offset: no host sync)."""
