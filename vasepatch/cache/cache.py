@@ -46,7 +46,7 @@ class VaSECache(Cache):
         plans = default_plans(num_layers) if plans is None else tuple(plans)
         if len(plans) != num_layers:
             raise ValueError(f"got {len(plans)} layer plans for {num_layers} layers")
-        layers = [VaSELayer(config, policy, rng, c, plan) for c, plan in zip(counters, plans)]
+        layers = [VaSELayer(config, policy, rng, c, plan) for c, plan in zip(counters, plans, strict=True)]
         super().__init__(layers=layers)
         self.config = config
 
