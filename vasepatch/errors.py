@@ -4,7 +4,10 @@ from __future__ import annotations
 
 
 class UnsupportedModelError(ValueError):
-    """The model's architecture (or one of its settings) is not supported by vasepatch."""
+    """The model's architecture (or one of its settings) is not supported by vasepatch.
+
+    The message is one line naming the model's class and `model_type` and the reason (for
+    detection, one of `vasepatch.integration.families.REASONS`)."""
 
 
 class AlreadyPatchedError(RuntimeError):
