@@ -7,6 +7,11 @@ step, with `budget + window` slots (`prefill="keep"`: `max(prompt, budget) +
 window`), and never move. Appends write at a fill pointer; an eviction gathers
 the kept slots to the front in place.
 
+A sliding-window layer (`plan.sliding_window`) masks the keys outside each query's window,
+and keeps either exactly its window (`budget` = the window, no policy) or, when the window
+is larger than the budget, what the policy picks among the tokens still inside it
+(`vasepatch.cache.sliding`).
+
 Layout invariant: in every row and KV head the attendable slots form one
 contiguous range `[fill - n_valid, fill)` (left padding first, then real tokens
 in sequence order), which is what varlen attention kernels need.
@@ -22,13 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from vasepatch.cache import eviction, schedule
+from vasepatch.cache import eviction, schedule, sliding
 from vasepatch.cache.counters import LayerCounters, SeededGenerator
 from vasepatch.cache.fixed_batch import FixedBatchLayer
 from vasepatch.cache.plan import LayerPlan
 from vasepatch.cache.query_ring import QueryRing
 from vasepatch.cache.static import mark_static
-from vasepatch.cache.step import Step
+from vasepatch.cache.step import Step, overflow_step
 from vasepatch.config import VaSEConfig
 from vasepatch.policies.base import Policy
 
@@ -64,13 +69,19 @@ class VaSELayer(FixedBatchLayer):
         self.config = config
         self.plan = plan if plan is not None else LayerPlan(0)
         self.policy = policy
+        # A sliding layer whose window fits the budget (or has no policy) keeps exactly its window:
+        # budget `w`, no policy, no `keep` prefill (see `vasepatch.cache.sliding`).
+        self.window_only = sliding.window_only(self.plan.sliding_window, config.budget, policy is not None)
+        self.budget = self.plan.sliding_window if self.window_only else config.budget  # slots an eviction keeps
+        self.prefill = "compress" if self.window_only else config.prefill
+        self.evicts = policy is not None or self.window_only
         self.rng = rng if rng is not None else SeededGenerator(config.seed)
         self.counters = counters if counters is not None else LayerCounters()
         self.ring = QueryRing(config.window)
         self.in_step = False  # set by the attention integration around a patched module's forward
         # A never-evicting layer grows its buffer, which a compiled step cannot do: generate()
         # then does not compile the decode step.
-        self.is_compileable = policy is not None
+        self.is_compileable = self.evicts
         self._pending = 0  # tokens appended by compiled steps whose host bookkeeping is due
 
     # --- allocation -------------------------------------------------------------------------
@@ -82,7 +93,7 @@ class VaSELayer(FixedBatchLayer):
         self.next_position = torch.zeros((b,), dtype=torch.long, device=self.device)
         self.fill = torch.zeros((), dtype=torch.long, device=self.device)  # next free slot
         self.seen = torch.zeros((), dtype=torch.long, device=self.device)  # tokens appended (= tokens_seen)
-        self._allocate(key_states, value_states, schedule.capacity(cfg.budget, cfg.window, q_len, cfg.prefill))
+        self._allocate(key_states, value_states, schedule.capacity(self.budget, cfg.window, q_len, self.prefill))
         self.is_initialized = True
         mark_static(self.next_position, self.fill, self.seen)
 
@@ -136,65 +147,47 @@ class VaSELayer(FixedBatchLayer):
         self.seen += q_len
         if compiling:  # static shapes: no host counter is read
             return self._write(key_states, value_states, new_pos, new_valid, self.capacity, False)
-        first = self.counters.tokens_seen == 0
+        first, w = self.counters.tokens_seen == 0, self.plan.sliding_window
         if overflow:
-            return self._overflow(key_states, value_states, new_pos, new_valid, first)
+            buffers, occ = (self.keys, self.values, self.positions, self.valid), self.counters.occupancy
+            return overflow_step(buffers, occ, key_states, value_states, new_pos, new_valid, first, w)
         return self._write(key_states, value_states, new_pos, new_valid, self.counters.occupancy + q_len, first)
 
     def _make_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Eagerly, before a step moves anything: whether it must take the overflow path. Grows the buffer
         where a mode allows it (never-evicting; `keep` after a `reset`), refuses a step `keep` cannot hold."""
         cfg, occ, q_len = self.config, self.counters.occupancy, key_states.shape[-2]
-        keep = cfg.prefill == schedule.KEEP and self.policy is not None
+        keep = self.prefill == schedule.KEEP and self.policy is not None
         if keep and self.counters.tokens_seen == 0:  # a prompt after reset(): room for it plus one window
-            need = schedule.capacity(cfg.budget, cfg.window, q_len, cfg.prefill)
+            need = schedule.capacity(self.budget, cfg.window, q_len, self.prefill)
             if need > self.capacity:
                 self._allocate(key_states, value_states, need)
             return False
         if schedule.fits(self.capacity, occ, q_len):
             return False
-        if self.policy is None:  # grow `window` slots past the need: a realloc every `window` tokens
+        if not self.evicts:  # grow `window` slots past the need: a realloc every `window` tokens
             self._allocate(key_states, value_states, occ + q_len + cfg.window)
             return False
         if not keep:
             return True
-        raise RuntimeError(
-            f"vasepatch cache overflow: {occ} slots in use + {q_len} new tokens > capacity {self.capacity}. "
-            "With prefill='keep' the buffer is sized by the first step; feed later multi-token steps at most "
-            "tokens_until_eviction() tokens at a time, or use prefill='compress', which compresses any step "
-            "that does not fit (e.g. prefill_chunk_size chunks)"
-        )
+        raise schedule.keep_overflow_error(occ, q_len, self.capacity)
 
     def _write(self, k, v, new_pos, new_valid, length: int, first: bool) -> Step:
         """Write the step's tokens at the fill pointer (device-side offset: no host sync)."""
         slots = self.fill + self.slot_index[: k.shape[-2]]
-        h = self.num_heads
+        h, w = self.num_heads, self.plan.sliding_window
         self.keys.index_copy_(2, slots, k)
         self.values.index_copy_(2, slots, v)
         self.positions.index_copy_(2, slots, new_pos.unsqueeze(1).expand(-1, h, -1))
         self.valid.index_copy_(2, slots, new_valid.unsqueeze(1).expand(-1, h, -1))
         self.fill += k.shape[-2]
         return Step(
-            self.keys, self.values, self.positions, self.valid, length, slots, new_valid, self.fill, first, False
+            self.keys, self.values, self.positions, self.valid, length, slots, new_valid, self.fill, first, False, w
         )
-
-    def _overflow(self, k, v, new_pos, new_valid, first: bool) -> Step:
-        """A step longer than the free slots (a long prompt, a prefill chunk): attend over the
-        occupied slots followed by the new tokens, held in temporaries until the step's
-        eviction writes the kept ones into the buffer."""
-        occ, q_len, h = self.counters.occupancy, k.shape[-2], self.num_heads
-        pos = new_pos.unsqueeze(1).expand(-1, h, -1)
-        val = new_valid.unsqueeze(1).expand(-1, h, -1)
-        if occ:
-            k, v = torch.cat([self.keys[:, :, :occ], k], 2), torch.cat([self.values[:, :, :occ], v], 2)
-            pos, val = torch.cat([self.positions[:, :, :occ], pos], 2), torch.cat([self.valid[:, :, :occ], val], 2)
-        slots = torch.arange(occ, occ + q_len, device=self.device)
-        end = torch.full((), occ + q_len, dtype=torch.long, device=self.device)
-        return Step(k, v, pos, val, occ + q_len, slots, new_valid, end, first, True)
 
     def record_queries(self, query: torch.Tensor, step: Step) -> None:
         """Keep the queries (after RoPE, `[B, Hq, Q, D]`) of the last `window` tokens."""
-        if self.policy is not None:
+        if self.policy is not None and not self.window_only:
             self.ring.write(query, step.new_valid)
 
     def evict_if_due(self, step: Step) -> bool:
@@ -219,8 +212,8 @@ class VaSELayer(FixedBatchLayer):
             self._compact(overflow.keys, overflow.values, overflow.positions, overflow.valid, overflow.length)
             return True
         c.occupancy += q_len
-        due = self.policy is not None and schedule.evict_now(
-            cfg.budget, cfg.window, self.capacity, c.occupancy, first_step=first, prefill=cfg.prefill
+        due = self.evicts and schedule.evict_now(
+            self.budget, cfg.window, self.capacity, c.occupancy, first_step=first, prefill=self.prefill
         )
         if due:
             self._compact(self.keys, self.values, self.positions, self.valid, c.occupancy)
@@ -231,22 +224,27 @@ class VaSELayer(FixedBatchLayer):
         step evicts (see `schedule.tokens_until_eviction`); `schedule.NEVER` if it never evicts."""
         if not self.is_initialized:
             raise RuntimeError("the cache has not seen its prefill yet")
-        if self.policy is None:
+        if not self.evicts:
             return schedule.NEVER
-        cfg = self.config
-        return schedule.tokens_until_eviction(cfg.budget, cfg.window, self.capacity, self.counters.occupancy)
+        return schedule.tokens_until_eviction(self.budget, self.config.window, self.capacity, self.counters.occupancy)
 
     # --- eviction ---------------------------------------------------------------------------
     def _compact(self, keys, values, positions, valid, n: int) -> None:
-        """Keep `budget` of the first `n` slots of (keys, values, positions, valid), chosen by
-        `eviction.kept_slots`, gathered to the front of the buffer."""
-        cfg, b = self.config, self.config.budget
-        queries, generator = self.ring.read(), self.rng.get(self.device)
-        kept = eviction.kept_slots(self.policy, keys, values, positions, valid, queries, n, b, cfg.window, generator)
+        """Keep `budget` of the first `n` slots of (keys, values, positions, valid), gathered to the
+        front of the buffer: the most recent ones in a window-only sliding layer, else those chosen
+        by `eviction.kept_slots` (in a sliding layer among the tokens still in the window: the others
+        count as padding, never candidates while real ones are left, never attended)."""
+        b, w, window = self.budget, self.plan.sliding_window, self.config.window
+        if self.window_only:
+            kept = sliding.recent_slots(n, b, valid)
+        else:
+            valid = valid if w is None else sliding.in_window(positions, valid, self.next_position, w)
+            queries, generator = self.ring.read(), self.rng.get(self.device)
+            kept = eviction.kept_slots(self.policy, keys, values, positions, valid, queries, n, b, window, generator)
         self.keys[:, :, :b] = keys.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
         self.values[:, :, :b] = values.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]))
-        self.positions[:, :, :b] = positions.gather(2, kept)
         self.valid[:, :, :b] = valid.gather(2, kept)
+        self.positions[:, :, :b] = positions.gather(2, kept).masked_fill_(~self.valid[:, :, :b], -1)
         self.valid[:, :, b:n] = False
         self.positions[:, :, b:n] = -1
         self.fill.fill_(b)

@@ -53,3 +53,13 @@ def tokens_until_eviction(budget: int, window: int, capacity: int, occupancy: in
     nxt = max(occupancy + 1, budget + 1)
     nxt += -(nxt - budget) % window  # the next multiple of `window` past the budget
     return min(nxt, capacity) - occupancy
+
+
+def keep_overflow_error(occupancy: int, q_len: int, capacity: int) -> RuntimeError:
+    """The error for a step that a `prefill="keep"` buffer cannot hold."""
+    return RuntimeError(
+        f"vasepatch cache overflow: {occupancy} slots in use + {q_len} new tokens > capacity {capacity}. "
+        "With prefill='keep' the buffer is sized by the first step; feed later multi-token steps at most "
+        "tokens_until_eviction() tokens at a time, or use prefill='compress', which compresses any step "
+        "that does not fit (e.g. prefill_chunk_size chunks)"
+    )

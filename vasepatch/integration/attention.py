@@ -13,7 +13,13 @@ implementation, so they compute exactly what the unpatched model computes (dropo
 attention weights included). The patched decoder stack's forward says which call is
 running (`PATCHED_CALL`); under `torch.compile`, which cannot trace that, the mask is
 passed through and a call without a vasepatch cache gets a causal + padding mask over a
-growing cache.
+growing cache (with the layer's sliding window, if the module passes one).
+
+What a model's attention module passes beside the tensors is honoured, never ignored:
+`softcap=` (Gemma2's logit soft-capping) and `s_aux=` (gpt-oss's learned attention sinks)
+send the step to the eager math path (`kernels.grouped_probs`), whatever the backend,
+since neither SDPA nor the varlen kernels take them here; `sliding_window=` must match the
+layer's `LayerPlan` (the cache applies the window itself, `vasepatch.cache.sliding`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from vasepatch.cache import Step, VaSECache, VaSELayer
 from vasepatch.cache.cache import OUTSIDE, PATCHED_CALL
 from vasepatch.integration import backends
-from vasepatch.integration.kernels import causal_attention, causal_padding_mask, grouped_attention
+from vasepatch.integration.kernels import (
+    causal_attention,
+    causal_padding_mask,
+    eager_attention_with_weights,
+    grouped_attention,
+)
 
 ATTN_IMPLEMENTATION = "vasepatch"
 LAYER_KWARG = "vasepatch_layer"
@@ -77,13 +88,15 @@ def vasepatch_attention(
     layer = kwargs.pop(LAYER_KWARG, None)
     if layer is None:
         return _without_vase_cache(module, query, key, value, attention_mask, scaling, dropout, backend, **kwargs)
+    _check_window(layer, kwargs.get("sliding_window"))
+    extras = {"softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
     if dropout:
         raise RuntimeError(
             f"attention dropout ({dropout:g}) in training mode is not applied by the vasepatch cache; "
             "call model.eval() before generating"
         )
     if not kwargs.get("output_attentions"):
-        return attention_step(layer, query, key, value, attention_mask, scaling, backend)[0], None
+        return attention_step(layer, query, key, value, attention_mask, scaling, backend, **extras)[0], None
     if backend != "eager":
         warnings.warn(
             f"output_attentions=True: the vasepatch {backend!r} backend computes no attention weights, so none "
@@ -91,8 +104,19 @@ def vasepatch_attention(
             UserWarning,
             stacklevel=2,
         )
-        return attention_step(layer, query, key, value, attention_mask, scaling, backend)[0], None
-    return attention_with_weights(layer, query, key, value, attention_mask, scaling)
+        return attention_step(layer, query, key, value, attention_mask, scaling, backend, **extras)[0], None
+    return attention_with_weights(layer, query, key, value, attention_mask, scaling, **extras)
+
+
+def _check_window(layer: VaSELayer, sliding_window: Any) -> None:
+    """Refuse a module whose own sliding window (the `sliding_window=` it passes) is not its
+    layer plan's: the cache would attend over a different window than the model means."""
+    if sliding_window is not None and sliding_window != layer.plan.sliding_window:
+        raise ValueError(
+            f"decoder layer {layer.plan.index} attends with sliding_window={sliding_window}, but its vasepatch "
+            f"layer plan has sliding_window={layer.plan.sliding_window}; the model's layout plans do not match "
+            "its attention modules (build the cache with handle.new_cache(), or plans from the model's config)"
+        )
 
 
 def _without_vase_cache(
@@ -121,8 +145,10 @@ def _without_vase_cache(
             f"over {attention_mask.shape[-1]} tokens for {key.shape[-2]} cached keys (a static cache?); call the "
             "patched model eagerly, or pass a 4-D mask"
         )
-    mask = causal_padding_mask(attention_mask, query.shape[-2], key.shape[-2], query.device)
-    return grouped_attention(query, key, value, mask, scaling, _kernel(backend), dropout), None
+    window = kwargs.get("sliding_window")
+    mask = causal_padding_mask(attention_mask, query.shape[-2], key.shape[-2], query.device, window)
+    extras = {"softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
+    return grouped_attention(query, key, value, mask, scaling, _kernel(backend), dropout, **extras), None
 
 
 def attention_with_weights(
@@ -132,6 +158,9 @@ def attention_with_weights(
     value: torch.Tensor,
     padding: torch.Tensor | None,
     scaling: float,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention_step` with the eager kernel, also returning the attention weights
     `[B, Hq, Q, S]` over the step's cache slots (for `output_attentions=True`). Before the
@@ -139,17 +168,11 @@ def attention_with_weights(
     weights; after it, column `s` is whatever token slot `s` holds."""
     step = layer.append(key, value, padding)
     n = step.length
-    keys, values, mask = step.keys[:, :, :n], step.values[:, :, :n], step.mask()
-    b, h_q, q_len, d = query.shape
-    h_kv = keys.shape[1]
-    g = h_q // h_kv
-    scores = torch.matmul(query.reshape(b, h_kv, g * q_len, d), keys.transpose(-1, -2)) * scaling
-    visible = mask.unsqueeze(2).expand(b, h_kv, g, q_len, n).reshape(b, h_kv, g * q_len, n)
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(probs, values).reshape(b, h_q, q_len, d).transpose(1, 2).contiguous()
+    keys, values = step.keys[:, :, :n], step.values[:, :, :n]
+    out, probs = eager_attention_with_weights(query, keys, values, step.mask(), scaling, softcap=softcap, sinks=sinks)
     layer.record_queries(query, step)
     layer.evict_if_due(step)
-    return out, probs.reshape(b, h_q, q_len, n)
+    return out, probs
 
 
 def attention_step(
@@ -160,6 +183,9 @@ def attention_step(
     padding: torch.Tensor | None,
     scaling: float,
     backend: str = "sdpa",
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """One attention step of one layer, the whole data path: append the step's K/V,
     attend, record the queries, evict if due. Returns the output `[B, Q, Hq, D]` and
@@ -167,33 +193,50 @@ def attention_step(
     eviction runs after the graph, in `VaSECache.complete_step`).
 
     `query` `[B, Hq, Q, D]`, `key`/`value` `[B, Hkv, Q, D]` (after RoPE), `padding` the
-    2-D mask (`[B, >= Q]`, 1 = real token) or None."""
+    2-D mask (`[B, >= Q]`, 1 = real token) or None; `softcap` (logit soft-capping) and
+    `sinks` (`[Hq]` learned sink logits) as the model's attention module passes them."""
     step = layer.append(key, value, padding)
-    out = attend(backend, query, key, value, step, scaling)
+    out = attend(backend, query, key, value, step, scaling, softcap=softcap, sinks=sinks)
     layer.record_queries(query, step)
     evicted = layer.evict_if_due(step)
     return out, evicted
 
 
 def attend(
-    backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, step: Step, scaling: float
+    backend: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    step: Step,
+    scaling: float,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a step's queries over what `step` holds, with `backend`.
 
     Varlen backends (`flash_attn`, `torch_varlen`): a decode step attends to each row's
-    contiguous range of slots, and the first step (the prompt, eagerly) runs causal
-    attention on the unpadded new tokens. With `sdpa`, a first step without padding is
-    plain causal attention over its own tokens (no mask in memory). Everything else uses
-    the masked grouped kernel over the step's first `length` slots."""
-    if backend in backends.VARLEN_BACKENDS:
+    contiguous range of slots (in a sliding-window layer, the part inside the window), and
+    the first step (the prompt, eagerly) runs causal attention on the unpadded new tokens,
+    unless the prompt is longer than the layer's sliding window. With `sdpa`, a first step
+    without padding and within any sliding window is plain causal attention over its own
+    tokens (no mask in memory). Everything else, and any step with `softcap` or `sinks`
+    (the eager math path), uses the masked grouped kernel over the step's first `length` slots."""
+    math = softcap is not None or sinks is not None
+    w = step.sliding_window
+    within = w is None or step.q_len <= w  # causal over the step's own tokens is exact
+    if backend in backends.VARLEN_BACKENDS and not math:
         if step.q_len == 1:
             return backends.decode_attention(backend, query, step.keys, step.values, step.start(), step.end, scaling)
-        if step.first:
+        if step.first and within:
             return backends.prefill_attention(backend, query, key, value, step.new_valid, scaling)
-    if step.first and step.q_len > 1 and backend == "sdpa" and bool(step.new_valid.all()):
+    plain = step.first and step.q_len > 1 and backend == "sdpa" and within and not math
+    if plain and bool(step.new_valid.all()):
         return causal_attention(query, key, value, scaling)  # an unpadded prompt (one host sync per generation)
     n = step.length
-    return grouped_attention(query, step.keys[:, :, :n], step.values[:, :, :n], step.mask(), scaling, _kernel(backend))
+    kernel = "eager" if math else _kernel(backend)
+    keys, values = step.keys[:, :, :n], step.values[:, :, :n]
+    return grouped_attention(query, keys, values, step.mask(), scaling, kernel, softcap=softcap, sinks=sinks)
 
 
 def _kernel(backend: str) -> str:

@@ -6,6 +6,12 @@ folded into the query-length axis, so each KV head is read once, whatever the
 group size. Returns `[B, Q, Hq, D]`, the layout transformers' attention
 modules expect. This runs once per layer and decode step, so it uses plain
 views rather than einops (whose per-call parsing costs show up here).
+
+Logit soft-capping (Gemma2: `cap * tanh(scores / cap)` before the mask) and
+learned attention sinks (gpt-oss: one extra logit per query head that joins the
+softmax and is then dropped) exist only in the eager math path (`grouped_probs`);
+`grouped_attention` routes a call that has either to it, whatever `kernel` says,
+since SDPA can do neither.
 """
 
 from __future__ import annotations
@@ -35,6 +41,33 @@ def _ungroup(out: torch.Tensor, h_q: int) -> torch.Tensor:
     return out.reshape(b, h_q, gq * h_kv // h_q, d).transpose(1, 2).contiguous()
 
 
+def grouped_probs(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    q_len: int,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention probabilities `[B, Hkv, G*Q, S]` of grouped queries `q` (`[B, Hkv, G*Q, D]`,
+    from `_group`) over `key` under the grouped `mask`, in the query dtype (softmax in float32).
+
+    `softcap`: logits become `softcap * tanh(logits / softcap)` before the mask. `sinks`
+    (`[Hq]`): one more logit per query head in the softmax's denominator, dropped after it."""
+    scores = torch.matmul(q, key.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    b, h_kv, gq, _ = scores.shape
+    g = gq // q_len
+    sink = sinks.to(scores.dtype).reshape(1, h_kv, g, 1, 1).expand(b, h_kv, g, q_len, 1).reshape(b, h_kv, gq, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
+    return probs[..., :-1].to(q.dtype)
+
+
 def grouped_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -43,21 +76,40 @@ def grouped_attention(
     scaling: float,
     kernel: str = "sdpa",
     dropout: float = 0.0,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Masked softmax attention with GQA by grouping; `kernel` is `"sdpa"` or `"eager"`."""
+    """Masked softmax attention with GQA by grouping; `kernel` is `"sdpa"` or `"eager"`
+    (`softcap` or `sinks` given: always the eager math path)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     q, m = _group(query, mask, key.shape[1])
-    if kernel == "sdpa":
+    if kernel == "sdpa" and softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=m, dropout_p=dropout, scale=scaling)
-    elif kernel == "eager":
-        scores = torch.matmul(q, key.transpose(-1, -2)) * scaling
-        scores = scores.masked_fill(~m, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        probs = grouped_probs(q, key, m, scaling, query.shape[-2], softcap, sinks)
         if dropout:
             probs = F.dropout(probs, p=dropout)
         out = torch.matmul(probs, value)
-    else:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     return _ungroup(out, query.shape[1])
+
+
+def eager_attention_with_weights(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager math path, also returning its weights: `([B, Q, Hq, D], [B, Hq, Q, S])`."""
+    b, h_q, q_len, _ = query.shape
+    q, m = _group(query, mask, key.shape[1])
+    probs = grouped_probs(q, key, m, scaling, q_len, softcap, sinks)
+    return _ungroup(torch.matmul(probs, value), h_q), probs.reshape(b, h_q, q_len, key.shape[-2])
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -72,12 +124,23 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.transpose(1, 2).contiguous()
 
 
-def causal_padding_mask(padding: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+def causal_padding_mask(
+    padding: torch.Tensor | None,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """`[B or 1, 1, Q, S]` mask for a plain growing cache: causal with the queries at the
-    end of the key sequence, padding keys hidden, and each query sees at least itself."""
+    end of the key sequence (and, with `sliding_window` `w`, only the keys less than `w`
+    indices back, as transformers counts them), padding keys hidden, and each query sees
+    at least itself."""
     q_idx = torch.arange(q_len, device=device).unsqueeze(-1) + (kv_len - q_len)
     kv_idx = torch.arange(kv_len, device=device).unsqueeze(0)
-    mask = (kv_idx <= q_idx)[None, None]
+    mask = kv_idx <= q_idx
+    if sliding_window is not None:
+        mask = mask & (kv_idx > q_idx - sliding_window)
+    mask = mask[None, None]
     if padding is not None:
         mask = mask & padding[:, -kv_len:].to(device=device, dtype=torch.bool)[:, None, None, :]
         mask = mask | (kv_idx == q_idx)[None, None]

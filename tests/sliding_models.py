@@ -1,0 +1,86 @@
+"""Tiny random models with sliding-window layers, soft-capping or attention sinks, and a patch
+helper that gives their caches the layer plans the model's attention modules call for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+import vasepatch
+from vasepatch.cache.plan import LayerPlan
+from vasepatch.errors import UnsupportedModelError
+from vasepatch.integration import families
+
+VOCAB = 128
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=None,
+    tie_word_embeddings=False,
+)
+INTERLEAVED = ["sliding_attention", "full_attention"]
+
+
+def sliding_config(family: str, window: int, **overrides) -> transformers.PretrainedConfig:
+    """A 2-layer config of `family` whose sliding layers have window `window`:
+    `mistral` (every layer), `qwen2` (`use_sliding_window`: layers from `max_window_layers = 1` on),
+    `gemma3` / `gemma2` / `gpt_oss` (layer 0 sliding, layer 1 global)."""
+    if family == "mistral":
+        return transformers.MistralConfig(**COMMON, sliding_window=window, **overrides)
+    if family == "qwen2":
+        return transformers.Qwen2Config(
+            **COMMON, use_sliding_window=True, sliding_window=window, max_window_layers=1, **overrides
+        )
+    gemma = dict(head_dim=16, sliding_window=window, layer_types=INTERLEAVED)
+    if family == "gemma3":
+        return transformers.Gemma3TextConfig(**COMMON, **gemma, query_pre_attn_scalar=16, **overrides)
+    if family == "gemma2":
+        return transformers.Gemma2Config(**COMMON, **gemma, query_pre_attn_scalar=16, **overrides)
+    if family == "gpt_oss":
+        common = {**COMMON, "intermediate_size": 32}
+        return transformers.GptOssConfig(**common, **gemma, num_local_experts=4, num_experts_per_tok=2, **overrides)
+    raise ValueError(family)
+
+
+def tiny(config: transformers.PretrainedConfig, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config._attn_implementation = attn
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    return model.eval()
+
+
+def module_windows(model: torch.nn.Module) -> list[int | None]:
+    """The sliding window each decoder layer's attention module applies (None: global)."""
+    default = getattr(model.config, "sliding_window", None)
+    return [getattr(layer.self_attn, "sliding_window", default) for layer in model.model.layers]
+
+
+def patch(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, **settings) -> vasepatch.PatchHandle:
+    """`vasepatch.patch`, with the layout's plans checked against the attention modules.
+
+    Until detection by capability (issue 14, point 1) fills the plans, a model it still
+    refuses (a family not listed, or sliding layers) is let in here and given the plans
+    read from its modules; once it has, the plans it builds must be exactly those."""
+    try:
+        handle = vasepatch.patch(model, **settings)
+    except UnsupportedModelError:
+        kind = model.config.model_type
+        monkeypatch.setattr(families, "SUPPORTED_FAMILIES", (*families.SUPPORTED_FAMILIES, kind), raising=False)
+        monkeypatch.setattr(families, "_sliding_layers", lambda config: False, raising=False)
+        handle = vasepatch.patch(model, **settings)
+    expected = tuple(LayerPlan(i, w) for i, w in enumerate(module_windows(model)))
+    if handle.layout.plans:
+        assert [p.sliding_window for p in handle.layout.plans] == [p.sliding_window for p in expected]
+    else:
+        handle.layout = dataclasses.replace(handle.layout, plans=expected)
+    return handle
