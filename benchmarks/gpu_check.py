@@ -13,7 +13,9 @@ Part 1 (here): every available backend (the varlen ones of
 decode over a static cache with ragged per-(row, KV head) starts and for
 prefill of a ragged left-padded prompt batch; plus the median time of each
 backend's decode (and prefill) call, with CUDA events. Part 2 (throughput of
-`vasepatch bench`) plugs into `part2` below. Writes `OUT_DIR/gpu_check.json`
+`vasepatch bench`) plugs into `part2` below, with a compile check and a
+`device_map` check (layers offloaded by accelerate, patched, against the whole
+model). Writes `OUT_DIR/gpu_check.json`
 and `OUT_DIR/gpu_check.md`; exits 1 if a backend is off by more than the
 tolerance, 2 without CUDA (and without `--allow-cpu`).
 """
@@ -285,6 +287,89 @@ def compile_check(setup: Setup) -> dict[str, Any]:
     return row
 
 
+def _dispatch_plan(cuda: bool) -> tuple[str, int, dict[str, Any]]:
+    """(shape, layers, device_map) of the device_map check: on CUDA Qwen3-4B's layer shape with 4
+    layers, the last 2 offloaded to CPU (accelerate moves their weights in per call); on CPU
+    tiny-qwen3 with its last layer offloaded to disk."""
+    layers = 4 if cuda else 2
+    main, offload = (0, "cpu") if cuda else ("cpu", "disk")
+    parts = ["model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head"]
+    device_map = {part: main for part in parts}
+    device_map.update({f"model.layers.{i}": main if i < layers // 2 else offload for i in range(layers)})
+    return ("qwen3-4b" if cuda else "tiny-qwen3"), layers, device_map
+
+
+def _greedy(model: torch.nn.Module, kw: dict[str, Any], cuda: bool) -> tuple[Any, float]:
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**kw, output_logits=True, return_dict_in_generate=True)
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def device_map_check(setup: Setup) -> dict[str, Any]:
+    """A model loaded with a `device_map` that offloads layers (accelerate's hooks), patched:
+    greedy tokens and logits against the same weights loaded whole on the device, both patched,
+    over >= 4 eviction rounds; where each layer's KV buffers live (its execution device)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    import vasepatch
+    from vasepatch.bench.shapes import shape_config
+    from vasepatch.integration.distributed import execution_devices
+
+    cuda = setup.device.type == "cuda"
+    shape, layers, device_map = _dispatch_plan(cuda)
+    config = shape_config(shape)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):  # derived from the shape's layer count; must match on load
+        config.layer_types = config.layer_types[:layers]
+    budget, window, new = (256, 32, 256) if cuda else (16, 4, 40)
+    lengths = (300, 220, 150, 100) if cuda else (12, 7, 3)
+    width = max(lengths)
+    ids = torch.randint(1, config.vocab_size, (len(lengths), width), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(width)[None] >= width - torch.tensor(lengths)[:, None]).long()
+    kw = dict(input_ids=ids.to(setup.device), attention_mask=mask.to(setup.device), max_new_tokens=new)
+    kw.update(min_new_tokens=new, do_sample=False, pad_token_id=0)
+    row: dict[str, Any] = {"shape": shape, "layers": layers, "device_map": {k: str(v) for k, v in device_map.items()}}
+    row.update(budget=budget, window=window, new_tokens=new)
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=setup.dtype).save_pretrained(folder)
+        load = functools.partial(AutoModelForCausalLM.from_pretrained, folder, dtype=setup.dtype)
+        whole = load(device_map={"": setup.device.index or 0} if cuda else None).eval()
+        with vasepatch.patched(whole, budget=budget, window=window, seed=0):
+            want, row["whole_s"] = _greedy(whole, kw, cuda)
+        del whole
+        dispatched = load(device_map=device_map, offload_folder=str(Path(folder) / "offload")).eval()
+        row["meta_params"] = sum(p.device.type == "meta" for p in dispatched.parameters())
+        with vasepatch.patched(dispatched, budget=budget, window=window, seed=0) as handle:
+            got, row["dispatched_s"] = _greedy(dispatched, kw, cuda)
+            row["evictions"], row["attn_backend"] = handle.stats()["evictions"], handle.attn_backend
+            cache = handle.new_cache()
+            with torch.no_grad():
+                dispatched(**{k: kw[k] for k in ("input_ids", "attention_mask")}, **{handle.cache_keyword: cache})
+            row["buffer_devices"] = [str(layer.keys.device) for layer in cache.layers]
+            row["execution_devices"] = [str(d) for d in execution_devices(dispatched, handle.layout)]
+    row["tokens_equal"] = bool(torch.equal(got.sequences, want.sequences))
+    row["max_logit_diff"] = max(
+        float((a.float() - b.float()).abs().max()) for a, b in zip(got.logits, want.logits, strict=True)
+    )
+    row["ok"] = (
+        row["tokens_equal"]
+        and row["max_logit_diff"] <= setup.tol
+        and row["evictions"] >= 4
+        and row["meta_params"] > 0
+        and row["buffer_devices"] == row["execution_devices"]
+    )
+    print(f"device_map check: {row}", flush=True)
+    return row
+
+
 def throughput(setup: Setup, quick: bool) -> list[dict[str, Any]]:
     """`vasepatch bench` in Qwen3-4B and Qwen3-14B shapes (random weights), all methods in one
     process per shape (CUDA memory per method from `max_memory_allocated`)."""
@@ -334,6 +419,10 @@ def part2(setup: Setup, out_dir: Path, mode: str = "full") -> dict[str, Any] | N
         out["compile"] = compile_check(setup)
     except Exception as err:
         out["compile"] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+    try:
+        out["device_map"] = device_map_check(setup)
+    except Exception as err:
+        out["device_map"] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
     out["throughput"] = throughput(setup, quick=mode == "quick")
     return out
 
@@ -379,6 +468,7 @@ def part2_markdown(part: dict[str, Any]) -> list[str]:
             f"| {c['attn_backend']} | {c['evictions']} | {c['graphs']} | {c['graph_breaks']} | {c['cudagraph_skips']} "
             f"| {c['token_agreement']:.3f} | {c['eager_s']:.2f} | {c['compiled_s']:.2f} | {c['speedup']:.2f} |",
         ]
+    lines += device_map_markdown(part.get("device_map"))
     for run in part["throughput"]:
         lines += ["", f"## Throughput: `{run['model']}` (random weights)", ""]
         if "error" in run:
@@ -387,6 +477,24 @@ def part2_markdown(part: dict[str, Any]) -> list[str]:
         lines.append(batch_table(run["results"]))
         lines += [f"- `{e['method']}` failed ({e['stage']}): {e['error']}" for e in run["errors"]]
     return lines
+
+
+def device_map_markdown(d: dict[str, Any] | None) -> list[str]:
+    if d is None:
+        return []
+    lines = ["", "## device_map check (accelerate offload, patched, against the whole model)", ""]
+    if "error" in d:
+        return [*lines, f"error: {d['error']}"]
+    offloaded = sorted({v for v in d["device_map"].values()} - {d["execution_devices"][0]})
+    return [
+        *lines,
+        "| shape | layers | offload | evictions | tokens equal | max logit diff | buffers on | whole s | dispatched s "
+        "| ok |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| {d['shape']} | {d['layers']} | {', '.join(offloaded)} | {d['evictions']} | {d['tokens_equal']} "
+        f"| {d['max_logit_diff']:.2e} | {', '.join(sorted(set(d['buffer_devices'])))} | {d['whole_s']:.2f} "
+        f"| {d['dispatched_s']:.2f} | {'yes' if d['ok'] else '**no**'} |",
+    ]
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -457,8 +565,8 @@ def main(out_dir: Path | str, *, allow_cpu: bool = False, iters: int | None = No
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     (out_dir / "gpu_check.md").write_text(markdown(report))
     failed = [r for r in rows if not r["ok"]]
-    if report["part2"] is not None and not report["part2"]["compile"].get("ok"):
-        failed.append(report["part2"]["compile"])
+    if report["part2"] is not None:
+        failed += [report["part2"][k] for k in ("compile", "device_map") if not report["part2"][k].get("ok")]
     print(f"gpu_check: {len(rows) - len(failed)}/{len(rows)} checks ok; wrote {out_dir}/gpu_check.{{json,md}}")
     return 1 if failed else 0
 

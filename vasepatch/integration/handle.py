@@ -25,6 +25,7 @@ from vasepatch.cache import CacheMonitor, VaSECache
 from vasepatch.config import VaSEConfig
 from vasepatch.errors import ModelInUseError, NotPatchedError
 from vasepatch.integration import attention
+from vasepatch.integration.distributed import Sharding
 from vasepatch.integration.families import ModelLayout
 
 STATE_ATTR = "_vasepatch_state"
@@ -143,6 +144,7 @@ class PatchHandle:
         policy: policies.Policy | None,
         layout: ModelLayout,
         attn_backend: str = "sdpa",
+        shard: Sharding | None = None,
     ):
         self.model = model
         self.config = config
@@ -150,6 +152,8 @@ class PatchHandle:
         self.layout = layout
         self.attn_backend = attn_backend
         """The attention backend chosen at patch time (see `VaSEConfig.attn_backend`)."""
+        self.shard = shard or Sharding(1, 0, layout.num_kv_heads, layout.num_kv_heads)
+        """Which KV heads this process holds (tensor parallelism splits them over ranks)."""
         self.monitor = CacheMonitor()
         self.cache_keyword = _cache_keyword(model)
         """The keyword under which the model takes a cache: `"cache"` (recent transformers)
@@ -178,9 +182,14 @@ class PatchHandle:
         KV head), `tokens_seen` (sequence length incl. padding), `occupancy` (max
         over layers of slots in use), `budget`, `window`, `capacity` (slots
         allocated per layer, row and KV head), `kv_bytes` (K+V buffer bytes, all
-        layers), `layers`, `generations` (caches created by this patch).
+        layers, held by this process), `layers`, `generations` (caches created by this
+        patch); and across tensor-parallel ranks: `world_size` (ranks the KV heads are
+        split over; 1 without tensor parallelism), `rank` (this one), `kv_bytes_total`
+        (all ranks together: `kv_bytes x world_size`, since each rank holds an equal share
+        of the heads; computed, no communication).
         """
-        return self.monitor.snapshot(self.config.budget, self.config.window)
+        snapshot = self.monitor.snapshot(self.config.budget, self.config.window)
+        return {**snapshot, **self.shard.stats(snapshot["kv_bytes"])}
 
     @property
     def active(self) -> bool:

@@ -21,6 +21,12 @@ A patch changes only the given model *instance*:
 
 Calls without a vasepatch cache (`use_cache=False`, a `DynamicCache` or `StaticCache`,
 `cache_implementation="static"`) run transformers' own attention and masks.
+
+A tensor-parallel model (`from_pretrained(..., tp_plan="auto")`) is patched on every rank:
+each rank caches and evicts its own KV heads (they must split evenly over the ranks), with no
+communication. A model dispatched by accelerate (`device_map`, CPU or disk offload) keeps each
+layer's buffers on the device that layer runs on (`distributed`).
+
 `unpatch` undoes each change in reverse order; weights are never touched. Every
 installed piece is an object, not a closure (`wrappers`, `handle`), so a deep copy or a
 pickle of a patched model carries a working patch of its own.
@@ -31,6 +37,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -39,7 +46,7 @@ import torch
 
 from vasepatch.config import VaSEConfig
 from vasepatch.errors import AlreadyPatchedError, NotPatchedError, UnsupportedModelError
-from vasepatch.integration import attention, backends
+from vasepatch.integration import attention, backends, distributed
 from vasepatch.integration.compat import check_transformers
 from vasepatch.integration.compile_support import install_compile_support
 from vasepatch.integration.families import ModelLayout, inspect_model
@@ -112,6 +119,7 @@ def patch(
     slots per layer, row and KV head whatever the prompt (`prefill="keep"`: `max(prompt,
     budget) + window`). Everything is validated first (one sequence's buffers must fit the
     device's memory); on any error the model is left as it was. Settings: `VaSEConfig`.
+    Tensor-parallel and accelerate-dispatched models: see the module docstring.
     """
     check_transformers()
     _refuse_compiled(model)
@@ -134,11 +142,10 @@ def patch(
         check_policy_output=check_policy_output,
     )
     chosen = policy_for(cfg)
-    _check_fits(model, layout, cfg)
-    backend = _choose_backend(model, cfg)
+    layout, shard, backend = _placement(model, layout, cfg)
     attention.register()
 
-    handle = PatchHandle(model, cfg, chosen, layout, backend)
+    handle = PatchHandle(model, cfg, chosen, layout, backend, shard)
     state = PatchState(handle)
     try:
         _apply(model, layout, state)
@@ -150,31 +157,53 @@ def patch(
     return handle
 
 
-def _check_fits(model: torch.nn.Module, layout: ModelLayout, config: VaSEConfig) -> None:
-    """Refuse (naming `budget`) a buffer that one sequence could never allocate on the model's device."""
-    param = next(model.parameters(), None)
-    if param is None:
+def _placement(
+    model: torch.nn.Module, layout: ModelLayout, config: VaSEConfig
+) -> tuple[ModelLayout, distributed.Sharding, str]:
+    """This process's KV heads (tensor parallelism: their global offset goes into the layer
+    plans), the memory check on the devices the layers run on, and the attention backend."""
+    shard = distributed.sharding(model, layout)
+    layout = distributed.with_head_offsets(layout, shard)
+    devices = distributed.execution_devices(model, layout)
+    _check_fits(model, layout, config, shard, devices)
+    return layout, shard, _choose_backend(model, config, devices)
+
+
+def _check_fits(
+    model: torch.nn.Module,
+    layout: ModelLayout,
+    config: VaSEConfig,
+    shard: distributed.Sharding,
+    devices: list[torch.device],
+) -> None:
+    """Refuse (naming `budget`) a buffer that one sequence could never allocate: per device the
+    layers run on (accelerate's execution devices; offloaded weights do not count), this
+    process's KV heads only (a tensor-parallel rank holds its shard)."""
+    dtype = distributed.compute_dtype(model)
+    if dtype is None:
         return
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    bytes_per_slot = 2 * len(layout.attention_modules) * kv_heads * head_dim * param.element_size()
-    if param.device.type == "cuda":
-        available, where = torch.cuda.get_device_properties(param.device).total_memory, "GPU memory"
-    else:
-        available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
-    config.check_fits(bytes_per_slot, available, where)
+    per_layer = 2 * shard.kv_heads * layout.head_dim * dtype.itemsize
+    for device, layers in Counter(devices).items():
+        if device.type == "cuda":
+            available, where = torch.cuda.get_device_properties(device).total_memory, f"GPU memory ({device})"
+        else:
+            available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
+        config.check_fits(per_layer * layers, available, where)
 
 
-def _choose_backend(model: torch.nn.Module, config: VaSEConfig) -> str:
-    """The attention backend for `model` (ValueError naming `attn_backend` if unavailable)."""
+def _choose_backend(model: torch.nn.Module, config: VaSEConfig, devices: list[torch.device]) -> str:
+    """The attention backend for `model` (ValueError naming `attn_backend` if unavailable): one
+    that runs on every device its attention layers execute on."""
     if config.attn_backend in (None, "auto") and model.config._attn_implementation == "eager":
         return "eager"  # the user asked the model for eager attention: keep it
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    dtype = param.dtype if param is not None else None
-    return backends.resolve_backend(config.attn_backend, device, dtype)
+    dtype = distributed.compute_dtype(model)
+    distinct = list(dict.fromkeys(devices)) or [torch.device("cpu")]
+    if config.attn_backend in (None, "auto"):
+        usable = [b for b in backends.BACKENDS if all(b in backends.available_backends(d, dtype) for d in distinct)]
+        return backends.resolve_backend(usable[0], distinct[0], dtype)
+    for device in distinct:
+        backends.resolve_backend(config.attn_backend, device, dtype)
+    return config.attn_backend
 
 
 def _apply(model: torch.nn.Module, layout: ModelLayout, state: PatchState) -> None:
