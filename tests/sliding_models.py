@@ -1,18 +1,12 @@
 """Tiny random models with sliding-window layers, soft-capping or attention sinks, and a patch
-helper that gives their caches the layer plans the model's attention modules call for."""
+helper that checks detection's layer plans against the model's attention modules."""
 
 from __future__ import annotations
 
-import dataclasses
-
-import pytest
 import torch
 import transformers
 
 import vasepatch
-from vasepatch.cache.plan import LayerPlan
-from vasepatch.errors import UnsupportedModelError
-from vasepatch.integration import families
 
 VOCAB = 128
 COMMON = dict(
@@ -65,22 +59,9 @@ def module_windows(model: torch.nn.Module) -> list[int | None]:
     return [getattr(layer.self_attn, "sliding_window", default) for layer in model.model.layers]
 
 
-def patch(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, **settings) -> vasepatch.PatchHandle:
-    """`vasepatch.patch`, with the layout's plans checked against the attention modules.
-
-    Until detection by capability (issue 14, point 1) fills the plans, a model it still
-    refuses (a family not listed, or sliding layers) is let in here and given the plans
-    read from its modules; once it has, the plans it builds must be exactly those."""
-    try:
-        handle = vasepatch.patch(model, **settings)
-    except UnsupportedModelError:
-        kind = model.config.model_type
-        monkeypatch.setattr(families, "SUPPORTED_FAMILIES", (*families.SUPPORTED_FAMILIES, kind), raising=False)
-        monkeypatch.setattr(families, "_sliding_layers", lambda config: False, raising=False)
-        handle = vasepatch.patch(model, **settings)
-    expected = tuple(LayerPlan(i, w) for i, w in enumerate(module_windows(model)))
-    if handle.layout.plans:
-        assert [p.sliding_window for p in handle.layout.plans] == [p.sliding_window for p in expected]
-    else:
-        handle.layout = dataclasses.replace(handle.layout, plans=expected)
+def patch(model: torch.nn.Module, **settings) -> vasepatch.PatchHandle:
+    """`vasepatch.patch`, with the plans detection built checked against the windows the
+    model's attention modules apply."""
+    handle = vasepatch.patch(model, **settings)
+    assert [p.sliding_window for p in handle.layout.layer_plans()] == module_windows(model)
     return handle

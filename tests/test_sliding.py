@@ -28,9 +28,9 @@ BIG = 128  # > 60 + 16: the global layers never evict
 WINDOW = 4
 
 
-def _run(model, monkeypatch, ids, mask, steps=NEW, generate_kw=None, **settings):
+def _run(model, ids, mask, steps=NEW, generate_kw=None, **settings):
     """Greedy logits of the patched model, and its cache (per-layer counters)."""
-    handle = patch(model, monkeypatch, **settings)
+    handle = patch(model, **settings)
     try:
         cache = handle.new_cache()
         out = greedy_with_logits(model, ids, mask, steps, past_key_values=cache, **(generate_kw or {}))
@@ -63,31 +63,31 @@ def _check_layers(model, cache, config: VaSEConfig) -> None:
         ("gemma3", 24, "eager"),
     ],
 )
-def test_generate_parity_ragged(monkeypatch, family, window, attn):
+def test_generate_parity_ragged(family, window, attn):
     model = tiny(sliding_config(family, window), attn)
     assert any(w == window for w in module_windows(model))
     ids, mask = ragged_batch(VOCAB, lengths=LENGTHS)
     expected = greedy_with_logits(model, ids, mask, NEW)
-    out, cache = _run(model, monkeypatch, ids, mask, budget=BIG, window=WINDOW, seed=0)
+    out, cache = _run(model, ids, mask, budget=BIG, window=WINDOW, seed=0)
     assert max_logit_diff(expected, out) <= 1e-5
     assert torch.equal(expected.sequences, out.sequences)
     _check_layers(model, cache, cache.config)
 
 
-def test_unpadded_prompt_longer_than_the_window(monkeypatch):
+def test_unpadded_prompt_longer_than_the_window():
     """An unpadded prompt must not take the plain causal SDPA path on a sliding layer."""
     model = tiny(sliding_config("mistral", 8))
     ids, mask = ragged_batch(VOCAB, lengths=(40, 40))
     expected = greedy_with_logits(model, ids, mask, 6)
-    out, _ = _run(model, monkeypatch, ids, mask, 6, budget=BIG, window=WINDOW)
+    out, _ = _run(model, ids, mask, 6, budget=BIG, window=WINDOW)
     assert max_logit_diff(expected, out) <= 1e-5
 
 
-def test_prefill_parity_every_real_position(monkeypatch):
+def test_prefill_parity_every_real_position():
     model = tiny(sliding_config("gemma3", 8))
     ids, mask = ragged_batch(VOCAB, lengths=LENGTHS)
     expected = model(input_ids=ids, attention_mask=mask).logits
-    handle = patch(model, monkeypatch, budget=BIG, window=WINDOW)
+    handle = patch(model, budget=BIG, window=WINDOW)
     try:
         got = model(input_ids=ids, attention_mask=mask, past_key_values=handle.new_cache()).logits
     finally:
@@ -97,23 +97,23 @@ def test_prefill_parity_every_real_position(monkeypatch):
 
 
 @pytest.mark.parametrize("chunk", [7, 32])
-def test_chunked_prefill_parity(monkeypatch, chunk):
+def test_chunked_prefill_parity(chunk):
     model = tiny(sliding_config("qwen2", 8))
     ids, mask = ragged_batch(VOCAB, lengths=LENGTHS)
     expected = greedy_with_logits(model, ids, mask, 8)
-    out, _ = _run(model, monkeypatch, ids, mask, 8, {"prefill_chunk_size": chunk}, budget=BIG, window=WINDOW)
+    out, _ = _run(model, ids, mask, 8, {"prefill_chunk_size": chunk}, budget=BIG, window=WINDOW)
     assert max_logit_diff(expected, out) <= 1e-5
 
 
 @pytest.mark.parametrize("settings", [{"prefill": "keep", "budget": 16}, {"policy": "full", "budget": 16}])
-def test_keep_and_full_modes(monkeypatch, settings):
+def test_keep_and_full_modes(settings):
     """`keep`: the global layer keeps the whole prompt (nothing evicted before the end); `full`:
     never evicts a global layer, while the sliding layers keep exactly their window in both."""
     model = tiny(sliding_config("gemma3", 8))
     ids, mask = ragged_batch(VOCAB, lengths=LENGTHS)
     steps = 3 if settings.get("prefill") == "keep" else NEW  # keep: 60 + 3 < capacity 60 + 4
     expected = greedy_with_logits(model, ids, mask, steps)
-    out, cache = _run(model, monkeypatch, ids, mask, steps, window=WINDOW, **settings)
+    out, cache = _run(model, ids, mask, steps, window=WINDOW, **settings)
     assert max_logit_diff(expected, out) <= 1e-5
     _check_layers(model, cache, cache.config)
     sliding_layer, global_layer = cache.layers
@@ -122,12 +122,12 @@ def test_keep_and_full_modes(monkeypatch, settings):
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
 @pytest.mark.parametrize("window", [6, 40])
-def test_eviction_run_bounded_no_nan(monkeypatch, family, window):
+def test_eviction_run_bounded_no_nan(family, window):
     """A small budget: both kinds of layers evict, memory stays at its capacity, no NaN; a sliding
     layer with a window over the budget keeps only tokens still inside its window."""
     model = tiny(sliding_config(family, window))
     ids, mask = ragged_batch(VOCAB, lengths=LENGTHS)
-    out, cache = _run(model, monkeypatch, ids, mask, 24, budget=16, window=WINDOW, seed=0)
+    out, cache = _run(model, ids, mask, 24, budget=16, window=WINDOW, seed=0)
     assert all(torch.isfinite(x).all() for x in out.logits)
     for layer, w in zip(cache.layers, module_windows(model), strict=True):
         c = layer.counters
@@ -269,9 +269,9 @@ def test_pure_selection_and_plan_checks():
     assert sliding.in_window(pos, valid, torch.tensor([6]), 3).tolist() == [[[False] * 4 + [True] * 2]]
 
 
-def test_module_window_must_match_the_plan(monkeypatch):
+def test_module_window_must_match_the_plan():
     model = tiny(sliding_config("mistral", 8))
-    handle = patch(model, monkeypatch, budget=BIG, window=WINDOW)
+    handle = patch(model, budget=BIG, window=WINDOW)
     try:
         cache = VaSECache(handle.config, handle.policy, 2)  # global plans for a sliding model
         ids, mask = ragged_batch(VOCAB, lengths=(12, 9))
@@ -281,7 +281,7 @@ def test_module_window_must_match_the_plan(monkeypatch):
         vasepatch.unpatch(model)
 
 
-def test_generate_auto_compiles_the_decode_step(monkeypatch):
+def test_generate_auto_compiles_the_decode_step():
     """Sliding and global layers in one graph: static shapes, no graph break, the same tokens as
     eager through evictions in both kinds of layers."""
     from torch._dynamo.utils import counters
@@ -293,7 +293,7 @@ def test_generate_auto_compiles_the_decode_step(monkeypatch):
     ids, mask = ragged_batch(VOCAB, lengths=(12, 7, 3))
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
     torch._dynamo.reset()
-    handle = patch(model, monkeypatch, budget=16, window=WINDOW, seed=0)
+    handle = patch(model, budget=16, window=WINDOW, seed=0)
     try:
         eager = model.generate(**kw)
         counters.clear()

@@ -35,13 +35,13 @@ def _model(family: str, window: int = 8):
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
 @pytest.mark.parametrize("backend", [None, "sdpa"])
-def test_generate_parity_ragged(monkeypatch, family, backend):
+def test_generate_parity_ragged(family, backend):
     """Nothing evicted in the global layer, the sliding one cut to its window: parity with the
     unpatched model, whether the kernel is eager (the model's) or sdpa (routed to the math path)."""
     model = _model(family)
     ids, mask = ragged_batch(VOCAB, lengths=LENGTHS)
     expected = greedy_with_logits(model, ids, mask, 8)
-    handle = patch(model, monkeypatch, budget=64, window=4, attn_backend=backend)
+    handle = patch(model, budget=64, window=4, attn_backend=backend)
     try:
         out = greedy_with_logits(model, ids, mask, 8, past_key_values=handle.new_cache())
         if backend is None:  # the eager kernel's weights path (output_attentions) applies them too
