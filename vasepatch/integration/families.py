@@ -13,9 +13,11 @@ the config); `model_type` only names the model in messages. Anything else raises
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import inspect
 import re
+import textwrap
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -217,6 +219,45 @@ def _check_dispatch(cls: type, source: str, base: torch.nn.Module, refuse: _Refu
         raise refuse("no-interface", f"{type(base).__name__}.forward builds masks outside transformers' masking_utils")
 
 
+def _check_cache_output_use(cls: type, source: str, update: re.Match, refuse: _Refusal) -> None:
+    """The keys and values `cache.update` returns feed the attention call and nothing else: the
+    vasepatch kernel reads its own buffers, so values derived from them (DiffLlama's split values,
+    Doge's mask computed from them) or a second attention call would silently differ. A use is
+    allowed only as an argument of the attention call (`_computes_attention`)."""
+    calls = len(re.findall(r"\battention_interface\(", source))
+    if calls > 1:
+        raise refuse("no-interface", f"{cls.__name__}.forward calls the attention function {calls} times")
+    line = source.count("\n", 0, update.start()) + 1
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return
+    statement = next((n for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.lineno == line), None)
+    target = statement.targets[0] if statement is not None else None
+    returned = {e.id for e in getattr(target, "elts", ()) if isinstance(e, ast.Name)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.stmt) or hasattr(node, "body"):  # compound statements: their parts are walked
+            continue
+        used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in returned}
+        if node.lineno <= line or not used or _computes_attention(node):
+            continue
+        raise refuse(
+            "no-interface",
+            f"{cls.__name__}.forward uses the `{sorted(used)[0]}` returned by the cache beyond the attention call "
+            f"(line {node.lineno} of forward): the attention must read the cache's keys and values as they are",
+        )
+
+
+def _computes_attention(node: ast.stmt) -> bool:
+    """Whether a statement is an attention call: `... = attention_interface(...)` (or a method of
+    the module named for attention, such as GPT-2's `self._upcast_and_reordered_attn(...)`)."""
+    call = getattr(node, "value", None)
+    if not isinstance(node, ast.Assign) or not isinstance(call, ast.Call):
+        return False
+    name = getattr(call.func, "id", None) or getattr(call.func, "attr", "")
+    return "attn" in name or "attention" in name
+
+
 def _check_source(i: int, attn: torch.nn.Module, base: torch.nn.Module, refuse: _Refusal) -> None:
     """The attention module's forward dispatches through the interface and updates the cache."""
     cls = type(attn)
@@ -226,8 +267,10 @@ def _check_source(i: int, attn: torch.nn.Module, base: torch.nn.Module, refuse: 
     _check_dispatch(cls, source, base, refuse)
     cache = _cache_argument(attn, refuse)
     names = "|".join({cache, *re.findall(rf"(\w+)\s*=\s*{cache}\b(?![.\[])", source)})  # `curr_cache = cache`
-    if not re.search(rf"\b(?:{names})\.update\(\s*\w+\s*,\s*\w+\s*,\s*self\.layer_idx\b", source):
+    update = re.search(rf"\b(?:{names})\.update\(\s*\w+\s*,\s*\w+\s*,\s*self\.layer_idx\b", source)
+    if not update:
         raise refuse("no-kv-cache", f"{cls.__name__}.forward never calls {cache}.update(key, value, self.layer_idx)")
+    _check_cache_output_use(cls, source, update, refuse)
     if getattr(attn, "layer_idx", None) != i:
         raise refuse("layout", f"layer {i}'s {cls.__name__} has layer_idx={getattr(attn, 'layer_idx', None)}")
     if getattr(attn, "config", None) is not base.config:
