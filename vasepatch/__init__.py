@@ -8,14 +8,12 @@ from vasepatch import policies
 from vasepatch.cache import VaSECache, VaSELayer
 from vasepatch.config import VaSEConfig
 from vasepatch.errors import AlreadyPatchedError, ModelInUseError, NotPatchedError, UnsupportedModelError
-from vasepatch.integration.families import SUPPORTED_FAMILIES
 from vasepatch.integration.patching import PatchHandle, is_patched, patch, patched, unpatch
 from vasepatch.policies import PolicyOutputError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "SUPPORTED_FAMILIES",
     "AlreadyPatchedError",
     "ModelInUseError",
     "NotPatchedError",

@@ -26,9 +26,6 @@ import torch
 from vasepatch.cache.plan import LayerPlan, default_plans
 from vasepatch.errors import UnsupportedModelError
 
-# The families documented in the supported-models table; detection itself never reads this.
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
 # The kinds of refusal, each with the start of its message.
 REASONS = {
     "not-generative": "it is not a generative causal LM (no generate())",
