@@ -48,8 +48,12 @@ class PolicyCase:
 
 
 @st.composite
-def policy_cases(draw) -> PolicyCase:
-    b, h, g_size = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+def policy_cases(draw, kv_heads: st.SearchStrategy[int] | None = None, same_layout: bool = False) -> PolicyCase:
+    """A policy input. `kv_heads`: the strategy of the KV head count (default 1 to 3);
+    `same_layout`: every KV head has the same padding (as in a head-shared cache)."""
+    b = draw(st.integers(1, 3))
+    h = draw(kv_heads if kv_heads is not None else st.integers(1, 3))
+    g_size = draw(st.integers(1, 3))
     edge = draw(st.integers(0, 9)) == 0  # a tenth of the examples: any sizes and layouts
     n = draw(st.integers(1, 40) if edge else st.integers(4, 40))
     d, w = draw(st.integers(1, 8)), draw(st.integers(1, 6))
@@ -65,13 +69,14 @@ def policy_cases(draw) -> PolicyCase:
         pad = torch.randint(0, n + 1, (b, 1, 1), generator=g)
         valid = (torch.arange(n).view(1, 1, n) >= pad).expand(b, h, n).clone()
     elif layout == "random_holes":
-        valid = torch.rand(b, h, n, generator=g) > 0.3
+        valid = torch.rand(b, 1 if same_layout else h, n, generator=g).expand(b, h, n) > 0.3
     elif layout == "all_valid":
         valid = torch.ones(b, h, n, dtype=torch.bool)
     else:
         valid = torch.zeros(b, h, n, dtype=torch.bool)
     # positions: increasing over real tokens (as after compaction), shuffled start offsets
-    positions = valid.long().cumsum(-1) - 1 + torch.randint(0, 3, (b, h, 1), generator=g) * valid.long()
+    offset = torch.randint(0, 3, (b, 1 if same_layout else h, 1), generator=g)
+    positions = valid.long().cumsum(-1) - 1 + offset * valid.long()
     positions = positions.masked_fill(~valid, -1)
     most_valid = int(valid.sum(-1).max())
     edge = edge or most_valid < 2

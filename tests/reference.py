@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vasepatch.policies.keyed import KeyedGenerator
+
 TINY = 1.1754943508222875e-38  # float32's smallest normal: the floor of log-weights
 FLOAT32_MIN = -3.4028234663852886e38
 POLICIES = (
@@ -81,7 +83,7 @@ class ReferenceCache:
         self.budget, self.window, self.protect, self.sinks = budget, window, protect, sinks
         self.temperature, self.smooth, self.policy, self.prefill = temperature, smooth, policy, prefill
         self.lam, self.rank = lam, rank
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.seed, self.rounds = seed, 0
         self.prefilled = False
         self.evicted = 0
 
@@ -115,17 +117,20 @@ class ReferenceCache:
         return True
 
     def _draws(self, batch, kv_heads, n_cand, dim) -> dict[str, torch.Tensor]:
-        """The policy's random draws, as the library makes them (same generator, order, shapes)."""
-        shape, g, p = (batch, kv_heads, n_cand), self.generator, self.policy
+        """The policy's random draws, as the library makes them: keyed by (seed, layer 0, round)
+        (called once per eviction round)."""
+        shape, p, cpu = (batch, kv_heads, n_cand), self.policy, torch.device("cpu")
+        g = KeyedGenerator(self.seed, 0, self.rounds)
+        self.rounds += 1
         draws = {}
         if p == "protect-random":
-            draws["protect_u"] = torch.rand(shape, generator=g)
+            draws["protect_u"] = g.uniform_candidates(shape, cpu)
         if p in ("vase", "vase-l2", "vase-var", "protect-random", "evict-large"):
-            draws["gumbel"] = _gumbel(torch.rand(shape, generator=g))
+            draws["gumbel"] = _gumbel(g.uniform_candidates(shape, cpu))
         if p == "random":
-            draws["uniform"] = torch.rand(shape, generator=g)
+            draws["uniform"] = g.uniform_candidates(shape, cpu)
         if p == "vase-dkv":
-            draws["projection"] = torch.randn((dim, self.rank), generator=g) * (1.0 / math.sqrt(self.rank))
+            draws["projection"] = g.normal((dim, self.rank), cpu) * (1.0 / math.sqrt(self.rank))
         if p == "cur":
             fixed = torch.Generator().manual_seed(0)
             draws["projection"] = torch.randn((dim, self.rank), generator=fixed) * (1.0 / math.sqrt(self.rank))

@@ -349,8 +349,11 @@ def _spy(name):
             record["window"] = given["queries"].shape[2]
         if "n_keep" in given:
             record["n_keep"] = given["n_keep"]
-        if given.get("generator") is not None:
-            record["seed"] = given["generator"].initial_seed()
+        generator = given.get("generator")
+        if isinstance(generator, torch.Generator):
+            record["seed"] = generator.initial_seed()
+        elif generator is not None:  # the cache's KeyedGenerator: keyed by the config's seed
+            record["seed"] = generator.seed
         calls.append(record)
         return priority(*args, **options)
 

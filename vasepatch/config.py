@@ -46,8 +46,12 @@ class VaSEConfig:
             = 1e-6: smaller ones overflow the float32 logits).
         smooth: width of the 1-D average pool applied to attention scores (1 = off; at most
             `2 * budget`: from `2 * budget - 1` on, all `budget` candidates of a decode eviction score alike).
-        seed: seeds the sampling generator of each generation (an int in `[-2**63, 2**64 - 1]`);
-            `None` uses torch's global generator.
+        seed: keys the eviction randomness of each generation (an int in `[-2**63, 2**64 - 1]`):
+            the draws of an eviction are a function of the seed, the layer, the eviction round,
+            the row, the global KV head and the slot, so they do not depend on how tensor
+            parallelism shards the heads. `None`: the key's seed is drawn from torch's global
+            generator at the first eviction of each generation (reproducible under
+            `torch.manual_seed`, and the same on every rank only if every rank seeds torch alike).
         policy_options: extra keyword options for the policy (e.g. `score="l2"`), checked against
             the options it declares at `patch` time; must be empty for `"full"`.
         attn_backend: attention kernels: `"flash_attn"`, `"torch_varlen"` (FlashAttention-2
@@ -63,6 +67,11 @@ class VaSEConfig:
         check_policy_output: check the policy's picks at every eviction (range, duplicates,
             padding kept over real tokens); `False` skips these data-dependent checks, for speed
             (their cost: docs/reliability.md). Shape and dtype are checked either way.
+        shared_heads: every layer keeps one set of token positions for all its KV heads (the
+            layout a paged serving engine needs): the heads' priorities are combined, tokens that
+            any head protects (sinks, largest-range values) first, then the largest priority over
+            the heads (`vasepatch.policies.shared`). Under tensor parallelism the heads combined are
+            those of the rank. `False` (default): each KV head chooses its own.
     """
 
     budget: int
@@ -77,6 +86,7 @@ class VaSEConfig:
     attn_backend: str | None = None
     prefill: str = "compress"
     check_policy_output: bool = True
+    shared_heads: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -188,6 +198,10 @@ class VaSEConfig:
             raise ValueError(f"prefill must be one of {', '.join(map(repr, PREFILL_MODES))}; got {self.prefill!r}")
         if not isinstance(self.check_policy_output, bool):
             raise ValueError(f"check_policy_output must be a bool, got {self.check_policy_output!r}")
+        if not isinstance(self.shared_heads, bool):
+            raise ValueError(
+                f"shared_heads must be a bool (True: all KV heads keep the same tokens), got {self.shared_heads!r}"
+            )
         if not isinstance(self.policy_options, Mapping):
             raise ValueError(f"policy_options must be a mapping, got {type(self.policy_options).__name__}")
         for key in self.policy_options:

@@ -11,8 +11,9 @@ Which slots survive an eviction is decided by a `Policy`; the cache only moves d
 """
 
 from vasepatch.cache.cache import VaSECache
-from vasepatch.cache.counters import CacheMonitor, LayerCounters, SeededGenerator
+from vasepatch.cache.counters import CacheMonitor, LayerCounters
 from vasepatch.cache.layer import VaSELayer
+from vasepatch.cache.randomness import EvictionRandomness
 from vasepatch.cache.step import Step
 
-__all__ = ["CacheMonitor", "LayerCounters", "SeededGenerator", "Step", "VaSECache", "VaSELayer"]
+__all__ = ["CacheMonitor", "EvictionRandomness", "LayerCounters", "Step", "VaSECache", "VaSELayer"]

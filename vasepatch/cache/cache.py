@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from vasepatch.cache.counters import CacheMonitor, LayerCounters, SeededGenerator
+from vasepatch.cache.counters import CacheMonitor, LayerCounters
 from vasepatch.cache.layer import VaSELayer
 from vasepatch.cache.plan import LayerPlan, default_plans
+from vasepatch.cache.randomness import EvictionRandomness
 from vasepatch.config import VaSEConfig
 from vasepatch.policies.base import Policy
 
@@ -38,7 +39,7 @@ class VaSECache(Cache):
         monitor: CacheMonitor | None = None,
         plans: tuple[LayerPlan, ...] | None = None,
     ) -> None:
-        rng = SeededGenerator(config.seed)
+        rng = EvictionRandomness(config.seed)
         counters = [LayerCounters() for _ in range(num_layers)]
         if monitor is not None:
             monitor.layers = counters

@@ -1,10 +1,8 @@
-"""Host-side bookkeeping of a cache: plain ints (reading them never syncs), and its generator."""
+"""Host-side bookkeeping of a cache: plain ints (reading them never syncs)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 
 @dataclass
@@ -45,24 +43,3 @@ class CacheMonitor:
             "layers": len(ls),
             "generations": self.generations,
         }
-
-
-class SeededGenerator:
-    """A `torch.Generator` created on first use, on the device of the cache, from `seed`
-    (`None`: torch's global generator). Shared by all layers of one cache."""
-
-    def __init__(self, seed: int | None) -> None:
-        self.seed = seed
-        self._generator: torch.Generator | None = None
-
-    def reset(self) -> None:
-        """Start over from `seed` at the next draw (a reset cache repeats a fresh one)."""
-        self._generator = None
-
-    def get(self, device: torch.device) -> torch.Generator | None:
-        if self.seed is None:
-            return None
-        if self._generator is None or self._generator.device != torch.device(device):
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed)
-        return self._generator

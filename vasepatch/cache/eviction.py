@@ -6,6 +6,7 @@ import torch
 
 from vasepatch.policies import base
 from vasepatch.policies.base import Policy
+from vasepatch.policies.keyed import KeyedGenerator
 
 
 def kept_slots(
@@ -18,7 +19,7 @@ def kept_slots(
     n: int,
     budget: int,
     window: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | KeyedGenerator | None = None,
 ) -> torch.Tensor:
     """`[B, Hkv, budget]` indices into the first `n` slots: `budget - window` of the older
     `n - window` chosen by `policy` from the `queries` `[B, Hq, W, D]`, then the last

@@ -28,10 +28,11 @@ from __future__ import annotations
 import torch
 
 from vasepatch.cache import eviction, schedule, sliding
-from vasepatch.cache.counters import LayerCounters, SeededGenerator
+from vasepatch.cache.counters import LayerCounters
 from vasepatch.cache.fixed_batch import FixedBatchLayer
 from vasepatch.cache.plan import LayerPlan
 from vasepatch.cache.query_ring import QueryRing
+from vasepatch.cache.randomness import EvictionRandomness
 from vasepatch.cache.static import mark_static
 from vasepatch.cache.step import Step, overflow_step
 from vasepatch.config import VaSEConfig
@@ -61,7 +62,7 @@ class VaSELayer(FixedBatchLayer):
         self,
         config: VaSEConfig,
         policy: Policy | None,
-        rng: SeededGenerator | None = None,
+        rng: EvictionRandomness | None = None,
         counters: LayerCounters | None = None,
         plan: LayerPlan | None = None,
     ) -> None:
@@ -75,7 +76,7 @@ class VaSELayer(FixedBatchLayer):
         self.budget = self.plan.sliding_window if self.window_only else config.budget  # slots an eviction keeps
         self.prefill = "compress" if self.window_only else config.prefill
         self.evicts = policy is not None or self.window_only
-        self.rng = rng if rng is not None else SeededGenerator(config.seed)
+        self.rng = rng if rng is not None else EvictionRandomness(config.seed)
         self.counters = counters if counters is not None else LayerCounters()
         self.ring = QueryRing(config.window)
         self.in_step = False  # set by the attention integration around a patched module's forward
@@ -239,7 +240,8 @@ class VaSELayer(FixedBatchLayer):
             kept = sliding.recent_slots(n, b, valid)
         else:
             valid = valid if w is None else sliding.in_window(positions, valid, self.next_position, w)
-            queries, generator = self.ring.read(), self.rng.get(self.device)
+            queries = self.ring.read()
+            generator = self.rng.for_eviction(self.plan, self.counters.evictions, self.device)
             kept = eviction.kept_slots(self.policy, keys, values, positions, valid, queries, n, b, window, generator)
         self.keys[:, :, :b] = keys.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
         self.values[:, :, :b] = values.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]))

@@ -64,8 +64,12 @@ class Settings:
     data_dir: str | None = None
     probe: str | None = None
     out: str = "fidelity-results"
+    shared_heads: str = "off"  # "both": every evicting policy also as "<policy>+shared"
 
     def __post_init__(self) -> None:
+        self.policies = options.with_shared(self.policies, self.shared_heads)
+        if self.shared_heads == "on":
+            self.config = self.config.replace(shared_heads=True)
         options.check_run(self.config, self.policies)
         if self.tokens < 2:
             raise ValueError(f"tokens must be >= 2, got {self.tokens}")
@@ -83,7 +87,7 @@ class Settings:
 
     def configs(self) -> dict[str, VaSEConfig]:
         """The cache config of each policy, `full` first."""
-        return {name: self.config.replace(policy=name) for name in self.policies}
+        return {name: options.run_config(self.config, name) for name in self.policies}
 
     def header(self, model) -> dict[str, Any]:
         """The settings actually used, as written beside the results."""
@@ -97,7 +101,10 @@ class Settings:
                 sample_temperature=self.sample_temperature,
                 batch_size=self.batch_size,
             )
-        return {**head, **options.cache_header(self.config), **options.environment(model)}
+        head.update(options.cache_header(self.config))
+        if self.shared_heads == "both":
+            head["shared_heads"] = "both"
+        return {**head, **options.environment(model)}
 
 
 def _end_ids(model, tokenizer) -> list[int]:
@@ -276,6 +283,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tokens", type=int, default=d.tokens, help="length of the sampled reference continuation")
     options.add_cache_arguments(p, d.config, policies_default="all")
+    options.add_shared_heads_argument(p)
     p.add_argument(
         "--sample-temperature",
         "--reference-temperature",
@@ -307,5 +315,6 @@ def main(args: argparse.Namespace) -> None:
         data_dir=args.data_dir,
         probe=args.probe,
         out=args.out,
+        shared_heads=args.shared_heads,
     )
     run(settings, echo=True)

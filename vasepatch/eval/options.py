@@ -12,7 +12,10 @@ import argparse
 from typing import Any
 
 from vasepatch import policies
-from vasepatch.config import PREFILL_MODES, VaSEConfig
+from vasepatch.config import FULL, PREFILL_MODES, VaSEConfig
+
+SHARED_HEADS = ("off", "on", "both")
+SHARED_SUFFIX = "+shared"  # the run of a policy with shared_heads=True, under --shared-heads both
 
 
 def default_config() -> VaSEConfig:
@@ -27,12 +30,41 @@ def parse_policies(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+def base_name(name: str) -> str:
+    """The policy of a run name (`"vase+shared"` -> `"vase"`)."""
+    return name.removesuffix(SHARED_SUFFIX)
+
+
+def with_shared(names: list[str], shared_heads: str) -> list[str]:
+    """The run names of `--shared-heads`: `"both"` adds `<name>+shared` after every evicting
+    policy (idempotent); `"off"` and `"on"` keep `names` (`"on"` sets `config.shared_heads`)."""
+    if shared_heads not in SHARED_HEADS:
+        raise ValueError(f"shared_heads must be one of {', '.join(SHARED_HEADS)}, got {shared_heads!r}")
+    if shared_heads != "both":
+        return list(names)
+    out: list[str] = []
+    for name in names:
+        out.append(name)
+        twin = name + SHARED_SUFFIX
+        if name != FULL and not name.endswith(SHARED_SUFFIX) and twin not in names:
+            out.append(twin)
+    return out
+
+
+def run_config(config: VaSEConfig, name: str) -> VaSEConfig:
+    """The cache config of run `name`: `config` with its policy, and `shared_heads=True` for a
+    `<policy>+shared` run."""
+    if name.endswith(SHARED_SUFFIX):
+        return config.replace(policy=base_name(name), shared_heads=True)
+    return config.replace(policy=name)
+
+
 def check_run(config: VaSEConfig, names: list[str]) -> None:
     """Raise `ValueError` for unknown policy names or a config without a seed."""
     if not isinstance(config, VaSEConfig):
         raise ValueError(f"config must be a vasepatch.VaSEConfig, got {type(config).__name__}")
     known = policies.config_names()
-    unknown = [name for name in names if name not in known]
+    unknown = [name for name in names if base_name(name) not in known or name == FULL + SHARED_SUFFIX]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(known)}")
     if not names:
@@ -42,8 +74,10 @@ def check_run(config: VaSEConfig, names: list[str]) -> None:
 
 
 def cache_header(config: VaSEConfig) -> dict[str, Any]:
-    """The cache settings a run used, as written in its header (`protect` is the effective one)."""
-    return {
+    """The cache settings a run used, as written in its header (`protect` is the effective one;
+    `shared_heads` only when on, so that the run keys of per-head runs written before it existed
+    still match)."""
+    header = {
         "budget": config.budget,
         "window": config.window,
         "protect": config.n_protect,
@@ -53,6 +87,9 @@ def cache_header(config: VaSEConfig) -> dict[str, Any]:
         "prefill": config.prefill,
         "seed": config.seed,
     }
+    if config.shared_heads:
+        header["shared_heads"] = True
+    return header
 
 
 def environment(model) -> dict[str, Any]:
@@ -116,6 +153,17 @@ def add_cache_arguments(p: argparse.ArgumentParser, defaults: VaSEConfig, polici
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the policies and of the sampling")
 
 
+def add_shared_heads_argument(p: argparse.ArgumentParser) -> None:
+    """`--shared-heads off|on|both`: per-head eviction, head-shared eviction, or both side by side."""
+    p.add_argument(
+        "--shared-heads",
+        choices=SHARED_HEADS,
+        default="off",
+        help="on: every layer keeps one set of tokens for all its KV heads (VaSEConfig.shared_heads); "
+        "both: each policy twice, per-head and as '<policy>+shared'",
+    )
+
+
 def cache_config(args: argparse.Namespace) -> VaSEConfig:
     """The `VaSEConfig` of the parsed cache flags (validated)."""
     return VaSEConfig(
@@ -127,4 +175,5 @@ def cache_config(args: argparse.Namespace) -> VaSEConfig:
         smooth=args.smooth,
         prefill=args.prefill,
         seed=args.seed,
+        shared_heads=getattr(args, "shared_heads", "off") == "on",
     )

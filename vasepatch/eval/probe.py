@@ -15,7 +15,7 @@ import torch
 
 import vasepatch
 from vasepatch.config import FULL, VaSEConfig
-from vasepatch.eval import data, metrics
+from vasepatch.eval import data, metrics, options
 from vasepatch.eval.forcing import teacher_force
 
 if TYPE_CHECKING:
@@ -54,7 +54,8 @@ def probe_configs(settings: Settings) -> dict[str, VaSEConfig]:
     for name in settings.policies:
         if name != FULL:
             for s in range(settings.seeds):
-                configs[f"{name}@{s}"] = settings.config.replace(policy=name, seed=settings.config.seed + s)
+                config = options.run_config(settings.config, name)
+                configs[f"{name}@{s}"] = config.replace(seed=settings.config.seed + s)
     return configs
 
 
@@ -76,6 +77,11 @@ def force_probe(model, configs: dict[str, VaSEConfig], ids, reference):
                     values[key].setdefault(m, []).append(v[0])
     cat = {k: {m: torch.cat(v) for m, v in d.items()} for k, d in values.items()}
     return torch.cat(dense), {k: torch.cat(v) for k, v in argmax.items()}, cat
+
+
+def _anchor(anchors: dict[str, Any], name: str) -> Any:
+    """The probe file's result for policy `name` (none for a head-shared run: the file has none)."""
+    return None if name.endswith(options.SHARED_SUFFIX) else anchors.get(PROBE_ANCHORS.get(name, ""))
 
 
 def _row(name: str, keys: list[str], dense, file_dense, argmax, values, anchor) -> dict[str, Any]:
@@ -128,9 +134,7 @@ def run_probe(settings: Settings, model, probe: dict[str, Any] | None = None) ->
     anchors = probe.get("anchor_results_top1_agreement", {})
     dense, argmax, values = force_probe(model, probe_configs(settings), ids, reference)
     results = [
-        _row(
-            name, run_keys(settings, name), dense, file_dense, argmax, values, anchors.get(PROBE_ANCHORS.get(name, ""))
-        )
+        _row(name, run_keys(settings, name), dense, file_dense, argmax, values, _anchor(anchors, name))
         for name in settings.policies
     ]
     header = settings.header(model)

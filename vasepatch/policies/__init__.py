@@ -27,6 +27,7 @@ from typing import Any
 from vasepatch.config import FULL
 from vasepatch.policies.base import INPUTS, Policy, PolicyOutputError, PriorityFn, check_picks, inputs_of
 from vasepatch.policies.dkv import dkv
+from vasepatch.policies.keyed import KeyedGenerator
 from vasepatch.policies.knorm import knorm
 from vasepatch.policies.options import COMMON_OPTIONS, Option, options_of, resolve
 from vasepatch.policies.rkv import rkv
@@ -73,32 +74,38 @@ def config_names() -> list[str]:
     return [FULL, *available()]
 
 
-def get(name: str, **options: Any) -> Policy:
+def get(name: str, *, shared_heads: bool = False, **options: Any) -> Policy:
     """Build the policy registered under `name` with `options`, checked now (ValueError naming
     the option and what it accepts). The common options (`COMMON_OPTIONS`) reach only the
-    policies that declare them; any other unknown option is a ValueError."""
-    return _build(name, options, check_output=True)
+    policies that declare them; any other unknown option is a ValueError. `shared_heads=True`:
+    all KV heads keep the same candidates (`vasepatch.policies.shared`)."""
+    return _build(name, options, check_output=True, shared_heads=shared_heads)
 
 
-def _build(name: str, options: dict[str, Any], check_output: bool) -> Policy:
+def _build(name: str, options: dict[str, Any], check_output: bool, shared_heads: bool = False) -> Policy:
     if name == FULL:
         raise _not_a_policy(name)
     try:
         priority, declared, preset = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; registered policies: {', '.join(available())}") from None
-    return Policy(name, priority, resolve(name, declared, {**preset, **options}), check_output=check_output)
+    if not isinstance(shared_heads, bool):
+        raise ValueError(f"shared_heads must be a bool, got {shared_heads!r}")
+    options = resolve(name, declared, {**preset, **options})
+    return Policy(name, priority, options, check_output=check_output, shared_heads=shared_heads)
 
 
 def for_config(config: Any) -> Policy:
     """The policy a `VaSEConfig` asks for, built with its common options and `policy_options`
-    (checked now), its picks checked at each eviction unless `config.check_policy_output` is False."""
+    (checked now), its picks checked at each eviction unless `config.check_policy_output` is False,
+    one set of candidates for all KV heads if `config.shared_heads`."""
     common = {"protect": config.n_protect, "sinks": config.sinks}
     common.update(temperature=config.temperature, smooth=config.smooth)
     repeated = sorted(set(common) & set(config.policy_options))
     if repeated:
         raise ValueError(f"policy_options may not set {', '.join(repeated)}: set the VaSEConfig field(s) instead")
-    return _build(config.policy, {**common, **config.policy_options}, config.check_policy_output)
+    options = {**common, **config.policy_options}
+    return _build(config.policy, options, config.check_policy_output, config.shared_heads)
 
 
 register("vase", vase)
@@ -118,6 +125,7 @@ register("random", uniform)
 __all__ = [
     "COMMON_OPTIONS",
     "INPUTS",
+    "KeyedGenerator",
     "Policy",
     "PolicyOutputError",
     "available",

@@ -10,11 +10,19 @@ inputs it reads, out of `INPUTS`; its keyword-only parameters are its options
   `Hq` a multiple of `Hkv` (query heads `h*G .. h*G+G-1` share KV head `h`).
 - `positions`: `[B, Hkv, N]` int64 absolute positions (first real token = 0).
 - `valid`: `[B, Hkv, N]` bool, False for padding and empty slots.
-- `n_keep`: how many candidates will be kept; `generator`: the only source of randomness.
+- `n_keep`: how many candidates will be kept; `generator`: the only source of randomness:
+  a `torch.Generator`, None (torch's global one), or at an eviction the cache's
+  `keyed.KeyedGenerator`, whose noise (`scoring.uniform_noise`, `gumbel_noise`,
+  `gaussian_projection`) is keyed by row and global KV head, so that it does not depend
+  on how tensor parallelism shards the heads. Only a function marked
+  `keyed.draws_keyed_noise` receives it as is; any other receives
+  `KeyedGenerator.torch_generator()`, a plain `torch.Generator` (see `keyed`).
 
 `Policy.select` runs the input checks, calls the function, checks the priority's
 shape and dtype, ranks invalid candidates last and takes the top `n_keep`, so
-every policy returns distinct indices with the valid candidates first.
+every policy returns distinct indices with the valid candidates first. With
+`shared_heads` the heads' priorities are combined and every KV head keeps the same
+candidates (`vasepatch.policies.shared`).
 `check_picks` checks the indices an eviction is about to keep, whatever
 produced them (a `Policy` subclass may override `select`).
 """
@@ -28,7 +36,8 @@ from typing import Any
 
 import torch
 
-from vasepatch.policies import scoring
+from vasepatch.policies import scoring, shared
+from vasepatch.policies.keyed import KeyedGenerator, reads_keys
 
 INPUTS = ("keys", "values", "queries", "positions", "valid", "n_keep", "generator")
 PriorityFn = Callable[..., torch.Tensor]
@@ -55,20 +64,31 @@ class Policy:
     Pure: it owns no buffers and never touches the cache. Built by
     `vasepatch.policies.get`, which checks the options first. `check_output=False`
     skips the data-dependent checks of its picks at each eviction (`check_picks`).
+    `shared_heads=True` keeps one set of candidates for all KV heads (`shared.shared_top_k`).
     """
 
     def __init__(
-        self, name: str, priority: PriorityFn, options: Mapping[str, Any], *, check_output: bool = True
+        self,
+        name: str,
+        priority: PriorityFn,
+        options: Mapping[str, Any],
+        *,
+        check_output: bool = True,
+        shared_heads: bool = False,
     ) -> None:
+        if not isinstance(shared_heads, bool):
+            raise ValueError(f"shared_heads must be a bool, got {shared_heads!r}")
         self.name = name
         self.priority = priority
         self.options = MappingProxyType(dict(options))
         self.inputs = inputs_of(priority)
         self.check_output = check_output
+        self.shared_heads = shared_heads
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-        return f"Policy({self.name!r}{', ' if opts else ''}{opts})"
+        shared = ", shared_heads=True" if self.shared_heads else ""
+        return f"Policy({self.name!r}{', ' if opts else ''}{opts}{shared})"
 
     def select(
         self,
@@ -78,15 +98,22 @@ class Policy:
         positions: torch.Tensor,
         valid: torch.Tensor,
         n_keep: int,
-        generator: torch.Generator | None = None,
+        generator: scoring.Randomness = None,
     ) -> torch.Tensor:
         """`[B, Hkv, n_keep]` int64: distinct indices into `N` per `(b, h)`, valid candidates
         before invalid ones (a row with fewer than `n_keep` valid candidates keeps all of them)."""
         scoring.check_inputs(keys, values, queries, positions, valid, n_keep)
+        if isinstance(generator, KeyedGenerator):
+            if self.shared_heads:
+                generator = generator.shared_heads()  # one noise per slot for all heads
+            if not reads_keys(self.priority):  # a function that calls torch.rand(..., generator=...)
+                generator = generator.torch_generator()
         given = {"keys": keys, "values": values, "queries": queries, "positions": positions}
         given.update(valid=valid, n_keep=n_keep, generator=generator)
         priority = self.priority(*(given[name] for name in self.inputs), **self.options)
         check_priority(self.name, priority, valid)
+        if self.shared_heads:
+            return shared.shared_top_k(ranked(priority, valid), valid, n_keep)
         return scoring.top_k_by_priority(ranked(priority, valid), n_keep)
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from vasepatch.policies import scoring
+from vasepatch.policies.keyed import draws_keyed_noise
 from vasepatch.policies.options import AtLeast, Seed, Sinks
 
 
@@ -23,12 +24,13 @@ def fixed_projection(dim: int, rank: int, seed: int, device: str) -> Tensor:
     return scoring.gaussian_projection(dim, rank, torch.device("cpu"), g).to(device)
 
 
+@draws_keyed_noise
 def dkv(
     keys: Tensor,
     values: Tensor,
     positions: Tensor,
     valid: Tensor,
-    generator: torch.Generator | None,
+    generator: scoring.Randomness,
     *,
     sinks: Sinks = 4,
     rank: Annotated[int, AtLeast(1)] = 20,

@@ -12,6 +12,10 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from vasepatch.policies.keyed import KeyedGenerator
+
+Randomness = torch.Generator | KeyedGenerator | None  # what a policy's `generator` may be
+
 VALUE_SCORES = ("range", "l2", "var")
 
 
@@ -84,12 +88,24 @@ def window_attention(
     return scores.masked_fill(~valid, 0.0)
 
 
-def gumbel_noise(shape: torch.Size, device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Standard Gumbel noise, float32. Adding it to log-weights and taking the top-k
-    draws k items without replacement with probability proportional to the weights."""
+def uniform_noise(shape: torch.Size, device: torch.device, generator: Randomness = None) -> torch.Tensor:
+    """`[B, H, N]` float32 uniforms strictly inside (0, 1), one per candidate.
+
+    From a `KeyedGenerator` (what a cache passes at an eviction) each is a hash of its
+    key, its row, its *global* KV head and its slot: the same whatever the sharding.
+    From a plain `torch.Generator` (or None: torch's global one) they are `torch.rand`
+    draws, clamped away from 0 and 1."""
+    if isinstance(generator, KeyedGenerator):
+        return generator.uniform_candidates(shape, device)
     u = torch.rand(shape, device=device, generator=generator, dtype=torch.float32)
-    tiny = torch.finfo(torch.float32).tiny
-    return -torch.log(-torch.log(u.clamp(tiny, 1.0 - 1e-7)))
+    return u.clamp(torch.finfo(torch.float32).tiny, 1.0 - 1e-7)
+
+
+def gumbel_noise(shape: torch.Size, device: torch.device, generator: Randomness = None) -> torch.Tensor:
+    """Standard Gumbel noise per candidate (`[B, H, N]`, float32, from `uniform_noise`). Adding
+    it to log-weights and taking the top-k draws k items without replacement with probability
+    proportional to the weights."""
+    return -torch.log(-torch.log(uniform_noise(shape, device, generator)))
 
 
 def log_weights(scores: torch.Tensor) -> torch.Tensor:
@@ -118,11 +134,13 @@ def sink_mask(positions: torch.Tensor, valid: torch.Tensor, sinks: int) -> torch
     return valid & (positions < sinks)
 
 
-def gaussian_projection(
-    dim: int, rank: int, device: torch.device, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """A `[dim, rank]` Gaussian sketch scaled by `1/sqrt(rank)` (float32)."""
-    g = torch.randn((dim, rank), device=device, generator=generator, dtype=torch.float32)
+def gaussian_projection(dim: int, rank: int, device: torch.device, generator: Randomness = None) -> torch.Tensor:
+    """A `[dim, rank]` Gaussian sketch scaled by `1/sqrt(rank)` (float32). From a `KeyedGenerator`
+    it is keyed by its entries' indices only (the same for every head and rank)."""
+    if isinstance(generator, KeyedGenerator):
+        g = generator.normal((dim, rank), device)
+    else:
+        g = torch.randn((dim, rank), device=device, generator=generator, dtype=torch.float32)
     return g * (1.0 / math.sqrt(rank))
 
 

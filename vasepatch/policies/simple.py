@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from vasepatch.policies import scoring
+from vasepatch.policies.keyed import draws_keyed_noise
 from vasepatch.policies.options import Sinks
 
 
@@ -18,6 +19,7 @@ def streaming(positions: Tensor, valid: Tensor, *, sinks: Sinks = 4) -> Tensor:
     return torch.where(scoring.sink_mask(positions, valid, sinks), float("inf"), positions.float())
 
 
-def uniform(valid: Tensor, generator: torch.Generator | None) -> Tensor:
+@draws_keyed_noise
+def uniform(valid: Tensor, generator: scoring.Randomness) -> Tensor:
     """Keep candidates drawn uniformly without replacement among the valid ones."""
-    return torch.rand(valid.shape, device=valid.device, generator=generator)
+    return scoring.uniform_noise(valid.shape, valid.device, generator)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from vasepatch.policies import scoring
+from vasepatch.policies.keyed import draws_keyed_noise
 from vasepatch.policies.options import OneOf, Protect, Sinks, Smooth, Temperature
 
 PROTECTIONS = ("largest", "random", "evict-largest")
@@ -32,7 +33,7 @@ def protected_mask(
     positions: Tensor,
     valid: Tensor,
     n_keep: int,
-    generator: torch.Generator | None,
+    generator: scoring.Randomness,
     *,
     protect: int,
     sinks: int,
@@ -44,7 +45,7 @@ def protected_mask(
     if protection == "largest":
         return _ranked(scoring.value_scores(values, score), positions, valid, sinks, n_protect)
     if protection == "random":
-        u = torch.rand(valid.shape, device=valid.device, generator=generator)
+        u = scoring.uniform_noise(valid.shape, valid.device, generator)
         return _ranked(u, positions, valid, sinks, n_protect)
     return scoring.sink_mask(positions, valid, sinks)  # evict-largest: only the sinks
 
@@ -59,6 +60,7 @@ def banned_mask(values: Tensor, positions: Tensor, valid: Tensor, *, protect: in
     return scoring.mask_of(top, n) & valid & ~sink
 
 
+@draws_keyed_noise
 def vase(
     keys: Tensor,
     values: Tensor,
@@ -66,7 +68,7 @@ def vase(
     positions: Tensor,
     valid: Tensor,
     n_keep: int,
-    generator: torch.Generator | None,
+    generator: scoring.Randomness,
     *,
     protect: Protect = 0,
     sinks: Sinks = 4,

@@ -1,0 +1,236 @@
+"""The eviction's keyed randomness: the hash, its uniforms, its keys, and a cache driven with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import drive
+from vasepatch import policies
+from vasepatch.cache import VaSECache, eviction
+from vasepatch.cache.plan import LayerPlan
+from vasepatch.cache.randomness import EvictionRandomness
+from vasepatch.config import VaSEConfig
+from vasepatch.policies import keyed, scoring
+from vasepatch.policies.keyed import KeyedGenerator
+
+EDGES = [0, 1, 2, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFE, 0xFFFFFFFF]
+
+
+def _fmix32(x: int) -> int:
+    """murmur3's finaliser with exact (Python int) products reduced mod 2**32: an independent reference."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) % 2**32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) % 2**32
+    return x ^ (x >> 16)
+
+
+def test_the_int64_mixer_equals_wrapping_uint32_arithmetic():
+    """The tensor mixer multiplies in 16-bit halves so nothing overflows int64: it must agree with
+    exact 32-bit arithmetic everywhere, the edges of the range included."""
+    values = EDGES + torch.randint(0, 2**32, (5000,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours = keyed.mix_tensor(torch.tensor(values, dtype=torch.int64))
+    assert ours.tolist() == [_fmix32(v) for v in values]
+    assert ours.tolist() == [keyed.mix(v) for v in values]  # the host-side (Python int) mixer too
+    assert int(ours.min()) >= 0 and int(ours.max()) < 2**32
+
+
+def test_uniforms_lie_strictly_inside_0_1_even_at_the_extreme_hashes():
+    u = keyed.to_uniform(torch.tensor([0, 1, 2**32 - 1], dtype=torch.int64))
+    assert u.dtype == torch.float32
+    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
+    gumbel = -torch.log(-torch.log(u))
+    assert torch.isfinite(gumbel).all()
+
+
+def test_keyed_uniforms_look_uniform_and_independent():
+    u = KeyedGenerator(0, 3, 5).uniform_candidates((4, 8, 4096), torch.device("cpu")).double()
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    counts = torch.histc(u, bins=16, min=0, max=1)
+    expected = u.numel() / 16
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 50, chi2  # 15 degrees of freedom: 50 is far out in the tail
+    for a, b in ((u[:, 0], u[:, 1]), (u[0], u[1]), (u[..., :-1], u[..., 1:])):  # heads, rows, slots
+        r = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+        assert abs(r) < 0.02, r
+
+
+def test_a_heads_noise_depends_on_its_global_index_only():
+    """A rank holding heads [2, 5) draws for them what one process holding all 8 draws."""
+    whole = KeyedGenerator(7, 1, 2).uniform_candidates((3, 8, 50), torch.device("cpu"))
+    rank = KeyedGenerator(7, 1, 2, head_offset=2).uniform_candidates((3, 3, 50), torch.device("cpu"))
+    assert torch.equal(rank, whole[:, 2:5])
+    assert torch.equal(whole[:2], KeyedGenerator(7, 1, 2).uniform_candidates((2, 8, 50), torch.device("cpu")))
+
+
+@pytest.mark.parametrize("change", ["seed", "layer", "eviction", "draw"])
+def test_every_part_of_the_key_changes_the_noise(change):
+    shape, cpu = (2, 2, 64), torch.device("cpu")
+    parts = {"seed": 1, "layer": 2, "eviction": 3}
+    base = KeyedGenerator(**parts)
+    first = base.uniform_candidates(shape, cpu)
+    if change == "draw":
+        other = base.uniform_candidates(shape, cpu)  # the second draw of one eviction
+    else:
+        other = KeyedGenerator(**{**parts, change: parts[change] + 1}).uniform_candidates(shape, cpu)
+    assert not torch.equal(first, other)
+    assert torch.equal(first, KeyedGenerator(**parts).uniform_candidates(shape, cpu))  # a pure function of the key
+
+
+def test_huge_and_negative_seeds_are_keys_too():
+    lo, hi = -(2**63), 2**64 - 1
+    a = KeyedGenerator(lo, 0, 0).uniform_candidates((1, 1, 32), torch.device("cpu"))
+    b = KeyedGenerator(hi, 0, 0).uniform_candidates((1, 1, 32), torch.device("cpu"))
+    assert not torch.equal(a, b)
+
+
+def test_shared_heads_give_every_head_the_same_noise():
+    g = KeyedGenerator(5, 0, 1, head_offset=4).shared_heads()
+    u = scoring.uniform_noise(torch.Size((2, 3, 40)), torch.device("cpu"), g)
+    assert torch.equal(u[:, 0], u[:, 1]) and torch.equal(u[:, 0], u[:, 2])
+    assert not torch.equal(u[0, 0], u[1, 0])
+
+
+def test_its_torch_generator_is_seeded_by_seed_layer_and_round():
+    a, b, c = KeyedGenerator(1, 2, 3), KeyedGenerator(1, 2, 3, head_offset=4), KeyedGenerator(1, 2, 4)
+    first = torch.rand(5, generator=a.torch_generator())
+    assert torch.equal(first, torch.rand(5, generator=b.torch_generator()))  # the head offset is not in it
+    assert not torch.equal(first, torch.rand(5, generator=c.torch_generator()))
+
+
+def _user_policy(valid, generator):
+    """A user's policy as CONTRIBUTING describes it: draws with torch.rand from `generator`."""
+    return torch.rand(valid.shape, generator=generator)
+
+
+def test_a_user_policy_calling_torch_rand_gets_a_plain_seeded_generator():
+    policy = policies.Policy("user", _user_policy, {})
+    valid = torch.ones(2, 3, 20, dtype=torch.bool)
+    args = (torch.zeros(2, 3, 20, 4), torch.zeros(2, 3, 20, 4), None, torch.arange(20).expand(2, 3, 20), valid)
+    picks = [policy.select(*args, 6, generator=KeyedGenerator(4, 1, e)) for e in (0, 0, 1)]
+    assert torch.equal(picks[0], picks[1]) and not torch.equal(picks[0], picks[2])
+
+
+def test_the_keyed_normal_noise_is_standard_normal():
+    z = KeyedGenerator(2, 0, 0).normal((200, 100), torch.device("cpu")).double()
+    assert z.shape == (200, 100) and torch.isfinite(z).all()
+    assert abs(z.mean().item()) < 0.02 and abs(z.std().item() - 1) < 0.02
+
+
+def test_the_noise_traces_under_torch_compile_without_graph_breaks():
+    """Made outside the compiled region (as the cache does, eagerly), the noise traces in one graph."""
+
+    def noise(x, generator):
+        return x + scoring.gumbel_noise(x.shape, x.device, generator)
+
+    x = torch.zeros(2, 3, 17)
+    compiled = torch.compile(noise, backend="aot_eager", fullgraph=True)
+    got = compiled(x, KeyedGenerator(3, 1, 2, head_offset=1))
+    assert torch.equal(got, noise(x, KeyedGenerator(3, 1, 2, head_offset=1)))
+
+
+def test_eviction_randomness_keys_layer_round_and_head_offset():
+    rnd = EvictionRandomness(11)
+    g = rnd.for_eviction(LayerPlan(4, head_offset=6), 9, torch.device("cpu"))
+    assert (g.seed, g.layer, g.eviction, g.head_offset, g.shared) == (11, 4, 9, 6, False)
+    assert g.device == torch.device("cpu")
+
+
+def test_seed_none_follows_torchs_global_generator_and_reset_draws_anew():
+    torch.manual_seed(0)
+    a = EvictionRandomness(None)
+    first = a.generation_seed()
+    assert a.generation_seed() == first  # one seed per generation
+    torch.manual_seed(0)
+    assert EvictionRandomness(None).generation_seed() == first  # reproducible under torch.manual_seed
+    a.reset()
+    assert a.generation_seed() != first
+    seeded = EvictionRandomness(5)
+    seeded.reset()
+    assert seeded.generation_seed() == 5
+
+
+class LayerKeys:
+    """What the cache's layers will call at each eviction: `rng.for_eviction(plan, round, device)`.
+    Until `VaSELayer._compact` calls it itself, this adapter stands in for its `rng`."""
+
+    def __init__(self, layer, randomness: EvictionRandomness) -> None:
+        self.layer, self.randomness = layer, randomness
+
+    def get(self, device):
+        return self.randomness.for_eviction(self.layer.plan, self.layer.counters.evictions, device)
+
+    def reset(self) -> None:
+        self.randomness.reset()
+
+
+def keyed_cache(config: VaSEConfig, n_layers: int, plans=None) -> VaSECache:
+    """A cache whose layers draw keyed eviction randomness (see `LayerKeys`)."""
+    cache = VaSECache(config, policies.for_config(config), n_layers, plans=plans)
+    randomness = EvictionRandomness(config.seed)
+    for layer in cache.layers:
+        if not hasattr(layer.rng, "for_eviction"):
+            layer.rng = LayerKeys(layer, randomness)
+    return cache
+
+
+def _run(cache: VaSECache, heads: slice, steps: int, seed: int = 0, hq_per_kv: int = 2):
+    """Drive every layer of `cache` with the same K/V/queries (KV heads `heads` of 4); returns the
+    positions each layer holds at the end, `[layers, B, H, budget]`, and the evictions."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, d = 2, 4, 8
+    k = torch.randn(b, h, steps, d, generator=g)
+    v = torch.randn(b, h, steps, d, generator=g)
+    q = torch.randn(b, h * hq_per_kv, steps, d, generator=g)
+    qh = slice(heads.start * hq_per_kv, heads.stop * hq_per_kv)
+    for layer in cache.layers:
+        drive.step(layer, k[:, heads, :16], v[:, heads, :16], q[:, qh, :16])
+        for t in range(16, steps):
+            drive.step(layer, k[:, heads, t : t + 1], v[:, heads, t : t + 1], q[:, qh, t : t + 1])
+    budget = cache.config.budget
+    return torch.stack([layer.positions[:, :, :budget] for layer in cache.layers]), cache.stats()["evictions"]
+
+
+@pytest.mark.parametrize("policy", ["vase", "vase-dkv"])
+def test_a_cache_on_two_ranks_keeps_what_one_process_keeps(policy):
+    """Two "ranks" holding KV heads [0, 2) and [2, 4) (head offsets 0 and 2) of two layers keep,
+    eviction after eviction, the positions one process holding all four keeps."""
+    config = VaSEConfig(budget=10, window=2, protect=4, sinks=2, policy=policy, seed=3)
+    whole, evictions = _run(keyed_cache(config, 2), slice(0, 4), 36)
+    ranks = [
+        _run(keyed_cache(config, 2, plans=(LayerPlan(0, head_offset=o), LayerPlan(1, head_offset=o))), heads, 36)[0]
+        for o, heads in ((0, slice(0, 2)), (2, slice(2, 4)))
+    ]
+    assert evictions >= 5
+    assert torch.equal(torch.cat(ranks, dim=2), whole)
+    assert not torch.equal(whole[0], whole[1])  # the layers' draws differ (same inputs)
+
+
+def test_same_seed_same_positions_and_reset_repeats_a_fresh_cache():
+    config = VaSEConfig(budget=10, window=2, protect=4, sinks=2, seed=8)
+    cache = keyed_cache(config, 1)
+    first, _ = _run(cache, slice(0, 4), 30)
+    assert torch.equal(_run(keyed_cache(config, 1), slice(0, 4), 30)[0], first)
+    cache.reset()
+    assert torch.equal(_run(cache, slice(0, 4), 30)[0], first)
+    assert not torch.equal(_run(keyed_cache(config.replace(seed=9), 1), slice(0, 4), 30)[0], first)
+
+
+def test_kept_slots_with_a_keyed_generator_on_a_rank():
+    """`eviction.kept_slots`, the function the layer calls, with the generator of each rank."""
+    g = torch.Generator().manual_seed(1)
+    b, h, n, d = 2, 4, 30, 8
+    keys, values = torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g)
+    queries = torch.randn(b, h, 3, d, generator=g)
+    positions = torch.arange(n).expand(b, h, n)
+    valid = torch.ones(b, h, n, dtype=torch.bool)
+    policy = policies.get("vase", protect=4, sinks=2)
+    rnd = EvictionRandomness(0)
+
+    def keep(lo, hi):
+        gen = rnd.for_eviction(LayerPlan(5, head_offset=lo), 2, torch.device("cpu"))
+        args = (keys[:, lo:hi], values[:, lo:hi], positions[:, lo:hi], valid[:, lo:hi], queries[:, lo:hi])
+        return eviction.kept_slots(policy, *args, n, 16, 4, gen)
+
+    assert torch.equal(torch.cat([keep(0, 1), keep(1, 4)], 1), keep(0, 4))
