@@ -110,6 +110,7 @@ def patch(
     prefill: str = "compress",
     policy_options: Mapping[str, Any] | None = None,
     check_policy_output: bool = True,
+    shared_heads: bool = False,
     config: VaSEConfig | None = None,
 ) -> PatchHandle:
     """Give `model` a fixed-size KV cache with VaSE eviction; returns a `PatchHandle`.
@@ -140,15 +141,19 @@ def patch(
         prefill=prefill,
         policy_options=dict(policy_options or {}),
         check_policy_output=check_policy_output,
+        shared_heads=shared_heads,
     )
     chosen = policy_for(cfg)
     layout, shard, backend = _placement(model, layout, cfg)
     attention.register()
+    return _install(model, PatchHandle(model, cfg, chosen, layout, backend, shard))
 
-    handle = PatchHandle(model, cfg, chosen, layout, backend, shard)
+
+def _install(model: torch.nn.Module, handle: PatchHandle) -> PatchHandle:
+    """Make every change of the patch, each recording its own undo; any failure undoes them all."""
     state = PatchState(handle)
     try:
-        _apply(model, layout, state)
+        _apply(model, handle.layout, state)
         set_instance_attr(model, STATE_ATTR, state, state.undo)
     except BaseException:
         for restore in reversed(state.undo):
