@@ -7,21 +7,10 @@ import torch
 import transformers
 
 import vasepatch
+from tests import tiny_models
 
-VOCAB = 128
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    pad_token_id=0,
-    bos_token_id=None,
-    eos_token_id=None,
-    tie_word_embeddings=False,
-)
+VOCAB = tiny_models.VOCAB
+COMMON = {**tiny_models.COMMON, "num_key_value_heads": 2}
 INTERLEAVED = ["sliding_attention", "full_attention"]
 
 
