@@ -230,38 +230,66 @@ def test_prefill_reuses_packing():
 # --------------------------------------------------------------------------- torch release compatibility
 
 
-def _varlen_2_9(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
-    """torch 2.9's signature: no scale (always D**-0.5), `is_causal`, GQA passed straight to FA2."""
+def _varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10's signature (the first release with varlen_attn): no scale (always D**-0.5), `is_causal`,
+    GQA passed straight to FA2."""
     window = (-1, 0) if is_causal else (-1, -1)
     return ref.varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window, enable_gqa=True)
 
 
-def _varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=None):
-    """torch 2.10's signature: `scale` and `window_size`, no `enable_gqa`, no `seqused_k`."""
-    return ref.varlen_attn(
-        query,
-        key,
-        value,
-        cu_seq_q,
-        cu_seq_k,
-        max_q,
-        max_k,
-        scale=scale,
-        window_size=window_size or (-1, -1),
-        enable_gqa=True,
-    )
+def _varlen_2_11(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
+    """torch 2.11's signature: `scale` and `window_size`, no `enable_gqa`, no `seqused_k`."""
+    kw = {"scale": scale, "window_size": window_size, "enable_gqa": True}
+    return ref.varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kw)
 
 
-@pytest.mark.parametrize("kernel", [_varlen_2_9, _varlen_2_10])
-def test_older_torch_varlen_signatures(kernel):
-    spec = bk.varlen_spec(kernel)
-    assert not spec.seqused_k and not spec.enable_gqa
+def _varlen_2_12(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
+    """torch 2.12's signature: adds `enable_gqa` and `seqused_k` (and `block_table`, `num_splits`)."""
+    kw = {"scale": scale, "window_size": window_size, "enable_gqa": enable_gqa, "seqused_k": seqused_k}
+    return ref.varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kw)
+
+
+def _check_varlen_kernel(kernel) -> None:
     query, keys, values, start, end = _decode_case(4)
-    out = bk.torch_varlen_decode(query, keys, values, start, end, 0.2, kernel=kernel)  # falls back to the gaps
+    out = bk.torch_varlen_decode(query, keys, values, start, end, 0.2, kernel=kernel)
     assert torch.allclose(out, ref.masked_decode(query, keys, values, start, end, 0.2), atol=ATOL)
     query, key, value, padding = _prefill_case(4)
     out = bk.torch_varlen_prefill(query, key, value, padding, 0.2, kernel=kernel)
     assert torch.allclose(out, ref.masked_prefill(query, key, value, padding, 0.2), atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "spec"),
+    [
+        (
+            _varlen_2_10,
+            bk.VarlenSpec(scale=False, window_size=False, is_causal=True, enable_gqa=False, seqused_k=False),
+        ),
+        (_varlen_2_11, bk.VarlenSpec(scale=True, window_size=True, is_causal=False, enable_gqa=False, seqused_k=False)),
+        (_varlen_2_12, bk.VarlenSpec(scale=True, window_size=True, is_causal=False, enable_gqa=True, seqused_k=True)),
+    ],
+)
+def test_torch_varlen_signatures_by_release(kernel, spec):
+    assert bk.varlen_spec(kernel) == spec
+    _check_varlen_kernel(kernel)  # 2.10 and 2.11 fall back to the gap sequences for decode
 
 
 def test_varlen_spec_of_installed_torch():
@@ -412,6 +440,50 @@ def test_unavailable_reasons(monkeypatch):
         assert "CUDA is not available" in bk.unavailable_reason("torch_varlen", "cuda", torch.bfloat16)
 
 
+@pytest.fixture
+def varlen_available(monkeypatch):
+    """Both varlen backends look available on any device (no CUDA here); their kernels are not prepared."""
+    for name in bk.VARLEN_BACKENDS:
+        monkeypatch.setitem(availability._PACKAGE_PROBLEMS, name, None)
+    monkeypatch.setattr(availability, "_cuda_problem", lambda name, device, dtype: None)
+    monkeypatch.setattr(availability.torch_varlen, "prepare", lambda: None)
+    monkeypatch.setattr(availability.flash_attn, "prepare", lambda: None)
+
+
+def test_head_dim_problem():
+    for d in (8, 64, 128, 256):
+        assert bk.head_dim_problem("torch_varlen", d) is None
+    for d in (0, 12, 100, 264):
+        assert f"head_dim={d}" in bk.head_dim_problem("flash_attn", d)
+        assert "[8, 256]" in bk.head_dim_problem("torch_varlen", d)
+    assert bk.head_dim_problem("sdpa", 12) is None and bk.head_dim_problem("torch_varlen", None) is None
+
+
+@pytest.mark.parametrize("head_dim", [12, 264])
+def test_auto_falls_back_to_sdpa_for_a_varlen_unfit_head_dim(varlen_available, head_dim):
+    assert bk.choose_backend("auto", ["cpu"], torch.bfloat16, 128) == "flash_attn"
+    with pytest.warns(UserWarning, match=rf"attn_backend='auto'.*head_dim={head_dim}.*'sdpa'"):
+        assert bk.choose_backend("auto", ["cpu"], torch.bfloat16, head_dim) == "sdpa"
+    assert bk.available_backends("cpu", torch.bfloat16, head_dim) == ["sdpa", "eager"]
+
+
+@pytest.mark.parametrize("backend", bk.VARLEN_BACKENDS)
+@pytest.mark.parametrize("head_dim", [12, 264])
+def test_explicit_varlen_backend_refuses_an_unfit_head_dim(varlen_available, backend, head_dim):
+    assert bk.choose_backend(backend, ["cpu"], torch.bfloat16, 64) == backend
+    pattern = rf"attn_backend='{backend}'.*head_dim a multiple of 8 in \[8, 256\] \(got head_dim={head_dim}\)"
+    with pytest.raises(ValueError, match=pattern):
+        bk.choose_backend(backend, ["cpu"], torch.bfloat16, head_dim)
+    with pytest.raises(ValueError, match=pattern):
+        bk.resolve_backend(backend, "cpu", torch.bfloat16, head_dim)
+
+
+def test_choose_backend_without_varlen(recwarn):
+    assert bk.choose_backend(None, [], torch.float32, 12) == "sdpa"  # no varlen backend here: nothing to warn
+    assert bk.choose_backend("eager", ["cpu", torch.device("cpu")], torch.float32, 264) == "eager"
+    assert not [w for w in recwarn if "head_dim" in str(w.message)]
+
+
 def test_dispatch():
     query, keys, values, start, end = _decode_case(2)
     expected = ref.masked_decode(query, keys, values, start, end)
@@ -461,3 +533,21 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert {r["backend"] for r in report["checks"]} >= {"torch_varlen", "flash_attn", "eager"}
     assert all(r["ok"] for r in report["checks"])
     assert "| backend |" in (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.parametrize("head_dim", [12, 264])
+def test_patch_checks_head_dim_before_any_work(varlen_available, head_dim):
+    """`patch()` itself: "auto" falls back to sdpa with a warning naming head_dim; an explicit varlen
+    backend is refused with head_dim and the range named, the model left exactly as it was."""
+    import vasepatch
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("qwen3", head_dim=head_dim).to(torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match=f"head_dim={head_dim}"):
+        with vasepatch.patched(model, budget=16, window=4) as handle:
+            assert handle.attn_backend == "sdpa"
+    with pytest.raises(ValueError, match=rf"attn_backend.*head_dim={head_dim}"):
+        vasepatch.patch(model, budget=16, window=4, attn_backend="torch_varlen")
+    assert not vasepatch.is_patched(model) and "forward" not in model.__dict__
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

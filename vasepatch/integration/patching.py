@@ -171,7 +171,7 @@ def _placement(
     layout = distributed.with_head_offsets(layout, shard)
     devices = distributed.execution_devices(model, layout)
     _check_fits(model, layout, config, shard, devices)
-    return layout, shard, _choose_backend(model, config, devices)
+    return layout, shard, _choose_backend(model, config, devices, layout.head_dim)
 
 
 def _check_fits(
@@ -196,19 +196,12 @@ def _check_fits(
         config.check_fits(per_layer * layers, available, where)
 
 
-def _choose_backend(model: torch.nn.Module, config: VaSEConfig, devices: list[torch.device]) -> str:
+def _choose_backend(model: torch.nn.Module, config: VaSEConfig, devices: list[torch.device], head_dim: int) -> str:
     """The attention backend for `model` (ValueError naming `attn_backend` if unavailable): one
-    that runs on every device its attention layers execute on."""
+    that runs on every device its attention layers execute on, with heads of `head_dim`."""
     if config.attn_backend in (None, "auto") and model.config._attn_implementation == "eager":
         return "eager"  # the user asked the model for eager attention: keep it
-    dtype = distributed.compute_dtype(model)
-    distinct = list(dict.fromkeys(devices)) or [torch.device("cpu")]
-    if config.attn_backend in (None, "auto"):
-        usable = [b for b in backends.BACKENDS if all(b in backends.available_backends(d, dtype) for d in distinct)]
-        return backends.resolve_backend(usable[0], distinct[0], dtype)
-    for device in distinct:
-        backends.resolve_backend(config.attn_backend, device, dtype)
-    return config.attn_backend
+    return backends.choose_backend(config.attn_backend, devices, distributed.compute_dtype(model), head_dim)
 
 
 def _apply(model: torch.nn.Module, layout: ModelLayout, state: PatchState) -> None:

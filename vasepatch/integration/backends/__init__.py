@@ -3,17 +3,19 @@
 Backends (`BACKENDS`, in `auto` order; `availability` says which can run where):
 
 * `flash_attn` (`backends.flash_attn`): the flash-attn package's
-  FlashAttention-2 kernels, CUDA only;
+  FlashAttention-2 kernels (flash-attn >= 2.6.1), CUDA only;
 * `torch_varlen` (`backends.torch_varlen`): torch's FlashAttention-2 varlen
-  kernel, CUDA only;
+  kernel (torch >= 2.10), CUDA only;
 * `sdpa` and `eager`: masked attention over the static buffer with
   `vasepatch.integration.kernels.grouped_attention` and the mask the cache
   builds; they have no entry point here.
 
 The two varlen backends (`VARLEN_BACKENDS`) need each row and KV head's
 attendable slots to be one contiguous range, which the cache guarantees, and
-are reached through two calls, both returning the `[B, Q, Hq, D]` layout
-transformers' attention modules expect (GQA: query heads `h*G .. h*G+G-1`
+a head dim that is a multiple of 8 and at most 256 (`auto` falls back to `sdpa`
+otherwise, with a warning; see `choose_backend`). They are reached through two
+calls, both returning the `[B, Q, Hq, D]` layout transformers' attention modules
+expect (GQA: query heads `h*G .. h*G+G-1`
 share KV head `h`):
 
 * `decode_attention(backend, query [B, Hq, 1, D], keys [B, Hkv, C, D], values, start [B, Hkv], end, scale)`:
@@ -38,7 +40,10 @@ from vasepatch.integration.backends.availability import (
     BACKENDS,
     HALF_DTYPES,
     VARLEN_BACKENDS,
+    VARLEN_MAX_HEAD_DIM,
     available_backends,
+    choose_backend,
+    head_dim_problem,
     resolve_backend,
     unavailable_reason,
 )
@@ -58,12 +63,15 @@ __all__ = [
     "HALF_DTYPES",
     "PREFILL",
     "VARLEN_BACKENDS",
+    "VARLEN_MAX_HEAD_DIM",
     "Kernel",
     "VarlenSpec",
     "available_backends",
+    "choose_backend",
     "decode_attention",
     "flash_attn_decode",
     "flash_attn_prefill",
+    "head_dim_problem",
     "prefill_attention",
     "resolve_backend",
     "torch_varlen_decode",

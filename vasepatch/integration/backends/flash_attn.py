@@ -4,7 +4,7 @@
   free view; the kernel only needs a contiguous last dimension), with
   `cache_leftpad = start` and `cache_seqlens = end`: row `b` reads
   `k_cache[b, leftpad : seqlens]` (FA2 `BlockInfo`: key offset `+ leftpad_k`
-  rows, length `cache_seqlens - leftpad_k`; flash-attn >= 2.6). The G query
+  rows, length `cache_seqlens - leftpad_k`; flash-attn >= 2.6.1). The G query
   heads of a KV head are the kernel's heads (`q [B*Hkv, 1, G, D]`), so it can
   use its GQA decode path and split-KV heuristics. Nothing is appended
   (`k=v=None`), so the call is pure; it still goes through the custom op

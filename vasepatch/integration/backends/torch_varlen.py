@@ -1,8 +1,8 @@
 """The `torch_varlen` backend: torch's FlashAttention-2 varlen kernel, `torch.nn.attention.varlen.varlen_attn`.
 
-Available from torch 2.9; its keywords changed between releases (2.9:
-`is_causal`, always `D**-0.5`; 2.10+: `scale`, `window_size`; 2.12+:
-`enable_gqa`, `seqused_k`), so they are read from the kernel's signature once
+Available from torch 2.10 (2.9 has no `torch.nn.attention.varlen`); its
+keywords changed between releases (2.10: `is_causal`, always `D**-0.5`; 2.11+:
+`scale`, `window_size`; 2.12+: `enable_gqa`, `seqused_k`), so they are read from the kernel's signature once
 (`varlen_spec`) and the call passes only what the kernel knows.
 
 * Decode: the buffer flattened to `[B*Hkv*C, 1, D]` (a free view), one sequence
@@ -11,7 +11,7 @@ Available from torch 2.9; its keywords changed between releases (2.9:
   `key[cu_k[i] : cu_k[i] + seqused_k[i]]`). Without it (or when autograd
   records, since `seqused_k` is inference-only): the gaps between the valid
   ranges become sequences with no queries, which the kernel skips.
-* Prefill: causal (`window_size=(-1, 0)`, or `is_causal=True` on torch 2.9) on
+* Prefill: causal (`window_size=(-1, 0)`, or `is_causal=True` on torch 2.10) on
   the unpadded prompt tokens, GQA native.
 
 Both take the kernel as an injectable callable with `varlen_attn`'s signature
@@ -38,7 +38,7 @@ from vasepatch.integration.varlen import PackedPrompt, decode_gaps, decode_sequs
 
 
 class VarlenSpec(NamedTuple):
-    """Which keywords a `varlen_attn` accepts (torch 2.9: `is_causal`; 2.10+: `scale`,
+    """Which keywords a `varlen_attn` accepts (torch 2.10: `is_causal`; 2.11+: `scale`,
     `window_size`; 2.12+: `enable_gqa`, `seqused_k`)."""
 
     scale: bool
@@ -61,7 +61,7 @@ def varlen_spec(kernel: Kernel) -> VarlenSpec:
 
 
 def default_kernel() -> Kernel:
-    """torch's `varlen_attn` (ImportError before torch 2.9)."""
+    """torch's `varlen_attn` (ImportError before torch 2.10)."""
     from torch.nn.attention.varlen import varlen_attn
 
     return varlen_attn
@@ -90,14 +90,14 @@ def _varlen_call(
     kwargs: dict[str, Any] = {}
     if spec.scale:
         kwargs["scale"] = scale
-    else:  # torch 2.9 always scales by D**-0.5: fold the ratio into the query
+    else:  # torch 2.10 always scales by D**-0.5: fold the ratio into the query
         q = q * (scale * q.shape[-1] ** 0.5)
     if spec.window_size:
         kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
     elif causal:
         kwargs["is_causal"] = True
     if spec.enable_gqa and q.shape[1] != k.shape[1]:
-        kwargs["enable_gqa"] = True  # older wrappers pass GQA straight to FA2, which supports it
+        kwargs["enable_gqa"] = True  # 2.10/2.11 pass GQA straight to FA2, which supports it
     if seqused_k is not None:
         kwargs["seqused_k"] = seqused_k
     return kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
