@@ -1,23 +1,39 @@
 """GPU check of the attention backends, written for one short run on a CUDA machine.
 
-    python benchmarks/gpu_check.py OUT_DIR               # CUDA: bf16, Qwen3-4B/14B attention shapes
+    python benchmarks/gpu_check.py OUT_DIR               # CUDA: bf16, Qwen3-4B/14B attention shapes (~4.5 min)
+    python benchmarks/gpu_check.py OUT_DIR --long        # CUDA: the long throughput tables too (~9 min)
     python benchmarks/gpu_check.py OUT_DIR --allow-cpu   # no CUDA: fp32, tiny shapes, reference kernels
 
 Run it from a checkout: `--allow-cpu` runs the varlen paths through the CPU
 stand-ins in `tests/reference_kernels.py`.
 
-Part 1 (here): every available backend (the varlen ones of
+Part 1: every available backend (the varlen ones of
 `vasepatch.integration.backends`; `sdpa` and `eager` as the cache runs them,
 `kernels.grouped_attention` over a slot mask) against `sdpa` in the same dtype
-(and against an fp32 `sdpa` for scale), for
-decode over a static cache with ragged per-(row, KV head) starts and for
-prefill of a ragged left-padded prompt batch; plus the median time of each
-backend's decode (and prefill) call, with CUDA events. Part 2 (throughput of
-`vasepatch bench`) plugs into `part2` below, with a compile check and a
-`device_map` check (layers offloaded by accelerate, patched, against the whole
-model). Writes `OUT_DIR/gpu_check.json`
-and `OUT_DIR/gpu_check.md`; exits 1 if a backend is off by more than the
-tolerance, 2 without CUDA (and without `--allow-cpu`).
+(and against an fp32 `sdpa` for scale), for decode over a static cache with
+ragged per-(row, KV head) starts and for prefill of a ragged left-padded prompt
+batch; plus the median time of each backend's decode (and prefill) call, with
+CUDA events. Part 2: a compile check (generate's own compile route: one graph,
+no graph break, no skipped CUDA graph, tokens agreeing with a truly eager run,
+`disable_compile=True`), a `device_map` check (layers offloaded by accelerate,
+patched, against the whole model) and the throughput of `vasepatch bench`
+(`--part2 default|quick|skip`, or `--long`). `OUT_DIR/gpu_check.json` and
+`OUT_DIR/gpu_check.md` are written after part 1 and after every check and
+table of part 2, so a stopped run keeps what it measured; exits 1 if a check
+fails, 2 without CUDA (and without `--allow-cpu`).
+
+Time estimate (printed before each part; not a measurement). An H200 is taken
+to reach 40% of its 989 TFLOP/s dense bf16 and 60% of its 4.8 TB/s. Per
+throughput method: the chunked prefill to the longest length, FLOP-bound
+(2 x parameters per token plus the attention, causal for dense, over
+`budget + window` keys for the fixed-size caches), then `64 x (1 + 2 x lengths)`
+decode steps, bandwidth-bound (the bf16 weights plus the KV read of batch 16);
+90 s per `+compile`; 5 s per 1e9 parameters to build a model; fixed 30 s for
+part 1, 150 s for the compile check (compiling a 4-layer model with CUDA
+graphs), 30 s for the device_map check. Default: Qwen3-4B shapes at 4K and
+16K (dense, vase, vase-dkv) ~50 s, whole run ~4.4 min (under the 6 min
+aimed at). `--long`: Qwen3-4B at 2K-16K with 5 methods ~170 s, Qwen3-14B at
+4K and 16K ~160 s, whole run ~9 min. Fixed costs dominate; they are guesses.
 """
 
 from __future__ import annotations
@@ -210,6 +226,42 @@ def part1(setup: Setup) -> list[dict[str, Any]]:
     return rows
 
 
+# Token agreement the compiled run must reach against the eager one: exact in fp32 on CPU (aot_eager runs the
+# same kernels); in bf16 on CUDA inductor fuses and reorders reductions, so a near-tie between two random-weight
+# logits may flip and the rows diverge from there; 0.9 still catches a wrong cache or mask (agreement near 0).
+MIN_AGREEMENT = {"cpu": 1.0, "cuda": 0.9}
+
+
+def compile_ok(row: dict[str, Any]) -> bool:
+    """The compile check passes: one graph, no graph breaks, no skipped CUDA graphs, >= 4 evictions, and the
+    compiled tokens agree with the eager ones."""
+    return (
+        row["graphs"] == 1
+        and row["graph_breaks"] == 0
+        and row["cudagraph_skips"] == 0
+        and row["evictions"] >= 4
+        and row["token_agreement"] >= row["min_token_agreement"]
+    )
+
+
+def timed_generate(model: Any, kw: dict[str, Any], cuda: bool, compile_config: Any = None, **extra: Any):
+    """`(model.generate(**kw, **extra), seconds)`. Without `compile_config` the run is eager: on CUDA
+    transformers compiles `generate`'s decode forward by itself for any compileable cache that is not a
+    DynamicCache (`_valid_auto_compile_criteria`), unless `disable_compile=True`, so it is passed."""
+    if compile_config is None:
+        extra["disable_compile"] = True
+    else:
+        extra["compile_config"] = compile_config
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**kw, **extra)
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
 def _compile_model(setup: Setup) -> torch.nn.Module:
     """Qwen3-4B's layer shape with 4 layers on CUDA (compiles in about a minute); tiny-qwen3 on CPU."""
     from transformers import AutoModelForCausalLM
@@ -255,25 +307,15 @@ def compile_check(setup: Setup) -> dict[str, Any]:
         config.backend, config.mode = "aot_eager", None
     config._compile_all_devices = True  # on CPU generate compiles only when asked to
 
-    def timed(**extra: Any) -> tuple[torch.Tensor, float]:
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(**kw, **extra)
-        if cuda:
-            torch.cuda.synchronize()
-        return out, time.perf_counter() - t0
-
     row: dict[str, Any] = {"budget": budget, "window": window, "new_tokens": new, "prompt_lengths": list(lengths)}
     with vasepatch.patched(model, budget=budget, window=window, seed=0) as handle:
         row["attn_backend"] = handle.attn_backend
-        eager, row["eager_s"] = timed()
+        eager, row["eager_s"] = timed_generate(model, kw, cuda)  # disable_compile=True: really eager
         row["evictions"] = handle.stats()["evictions"]
         torch._dynamo.reset()
         counters.clear()
-        _, row["first_compiled_s"] = timed(compile_config=config)  # compiles (and records CUDA graphs)
-        compiled, row["compiled_s"] = timed(compile_config=config)
+        _, row["first_compiled_s"] = timed_generate(model, kw, cuda, config)  # compiles (and records CUDA graphs)
+        compiled, row["compiled_s"] = timed_generate(model, kw, cuda, config)
         row["graphs"] = int(counters["stats"]["unique_graphs"])
         row["graph_breaks"] = sum(counters["graph_break"].values())
         row["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
@@ -281,8 +323,9 @@ def compile_check(setup: Setup) -> dict[str, Any]:
     generated = slice(width, None)
     row["token_agreement"] = (eager[:, generated] == compiled[:, generated]).float().mean().item()
     row["first_divergence"] = int((eager[:, generated] != compiled[:, generated]).any(0).long().argmax().item())
+    row["min_token_agreement"] = MIN_AGREEMENT[setup.device.type]
     row["speedup"] = row["eager_s"] / row["compiled_s"]
-    row["ok"] = row["graphs"] == 1 and row["graph_breaks"] == 0 and row["evictions"] >= 4
+    row["ok"] = compile_ok(row)
     print(f"compile check: {row}", flush=True)
     return row
 
@@ -299,21 +342,15 @@ def _dispatch_plan(cuda: bool) -> tuple[str, int, dict[str, Any]]:
     return ("qwen3-4b" if cuda else "tiny-qwen3"), layers, device_map
 
 
-def _greedy(model: torch.nn.Module, kw: dict[str, Any], cuda: bool) -> tuple[Any, float]:
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(**kw, output_logits=True, return_dict_in_generate=True)
-    if cuda:
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - t0
+_LOGITS = {"output_logits": True, "return_dict_in_generate": True}
 
 
 def device_map_check(setup: Setup) -> dict[str, Any]:
     """A model loaded with a `device_map` that offloads layers (accelerate's hooks), patched:
     greedy tokens and logits against the same weights loaded whole on the device, both patched,
-    over >= 4 eviction rounds; where each layer's KV buffers live (its execution device)."""
+    over >= 4 eviction rounds; where each layer's KV buffers live (its execution device). Both runs are
+    eager (`disable_compile=True`): the whole model would otherwise be compiled on CUDA and the
+    offloaded one not."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
@@ -343,12 +380,12 @@ def device_map_check(setup: Setup) -> dict[str, Any]:
         load = functools.partial(AutoModelForCausalLM.from_pretrained, folder, dtype=setup.dtype)
         whole = load(device_map={"": setup.device.index or 0} if cuda else None).eval()
         with vasepatch.patched(whole, budget=budget, window=window, seed=0):
-            want, row["whole_s"] = _greedy(whole, kw, cuda)
+            want, row["whole_s"] = timed_generate(whole, kw, cuda, **_LOGITS)
         del whole
         dispatched = load(device_map=device_map, offload_folder=str(Path(folder) / "offload")).eval()
         row["meta_params"] = sum(p.device.type == "meta" for p in dispatched.parameters())
         with vasepatch.patched(dispatched, budget=budget, window=window, seed=0) as handle:
-            got, row["dispatched_s"] = _greedy(dispatched, kw, cuda)
+            got, row["dispatched_s"] = timed_generate(dispatched, kw, cuda, **_LOGITS)
             row["evictions"], row["attn_backend"] = handle.stats()["evictions"], handle.attn_backend
             cache = handle.new_cache()
             with torch.no_grad():
@@ -370,61 +407,108 @@ def device_map_check(setup: Setup) -> dict[str, Any]:
     return row
 
 
-def throughput(setup: Setup, quick: bool) -> list[dict[str, Any]]:
-    """`vasepatch bench` in Qwen3-4B and Qwen3-14B shapes (random weights), all methods in one
-    process per shape (CUDA memory per method from `max_memory_allocated`)."""
+# Throughput tables (`vasepatch bench`, batch 16, budget 4096, bf16): `(model, tokens, methods)` per part.
+PLANS = {
+    "default": [("shape:qwen3-4b", [4096, 16384], ["dense", "vase", "vase-dkv"])],
+    "long": [
+        ("shape:qwen3-4b", [2048, 4096, 8192, 16384], ["dense", "vase", "vase-dkv", "snapkv", "vase+compile"]),
+        ("shape:qwen3-14b", [4096, 16384], ["dense", "vase", "vase-dkv"]),
+    ],
+    "quick": [("shape:qwen3-4b", [2048, 4096], ["dense", "vase"])],
+}
+GPU_BATCH, GPU_BUDGET, GPU_WINDOW, GPU_REPEATS = 16, 4096, 64, 2
+
+# The time model behind the printed estimates (H200: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e), see the docstring.
+H200_FLOPS, H200_BYTES_S = 0.4 * 989e12, 0.6 * 4.8e12  # assumed reachable: 40% of peak FLOPs, 60% of bandwidth
+MODEL_SIZE = {"shape:qwen3-4b": (4.0e9, 36, 32, 8, 128), "shape:qwen3-14b": (14.8e9, 40, 40, 8, 128)}
+BUILD_S_PER_PARAM, COMPILE_S = 5e-9, 90.0  # random init + move (5 s per 1e9 parameters); one compile
+FIXED_S = {"part1": 30.0, "compile": 150.0, "device_map": 30.0}  # per check, on a CUDA machine
+
+
+def estimate_method_s(model: str, tokens: list[int], method: str) -> float:
+    """Seconds for one method of one throughput plan on an H200 (the time model above): the chunked
+    prefill up to the longest length (FLOP-bound), then `window * (1 + repeats * lengths)` decode steps
+    (bandwidth-bound: the weights plus the KV read), plus a compile for `+compile`."""
+    params, layers, heads, kv_heads, head_dim = MODEL_SIZE[model]
+    b, t = GPU_BATCH, max(tokens)
+    seen = t if method.split("+")[0] == "dense" else min(t, GPU_BUDGET + GPU_WINDOW)  # keys one query sees
+    attention = 4 * b * t * (seen if seen < t else t / 2) * layers * heads * head_dim
+    prefill = (2 * params * b * t + attention) / H200_FLOPS
+    kv_bytes = b * seen * layers * 2 * kv_heads * head_dim * 2
+    steps = GPU_WINDOW * (1 + GPU_REPEATS * len(tokens))
+    decode = steps * (2 * params + kv_bytes) / H200_BYTES_S
+    return prefill + decode + (COMPILE_S if method.endswith("+compile") else 0.0)
+
+
+def estimate_plan_s(model: str, tokens: list[int], methods: list[str]) -> float:
+    """Seconds for one throughput plan on an H200: building the model and every method."""
+    return MODEL_SIZE[model][0] * BUILD_S_PER_PARAM + sum(estimate_method_s(model, tokens, m) for m in methods)
+
+
+def estimate_run_s(mode: str) -> float:
+    """Seconds for a whole CUDA run with `--part2 mode` (`default`, `long`, `quick` or `skip`)."""
+    if mode == "skip":
+        return FIXED_S["part1"]
+    return sum(FIXED_S.values()) + sum(estimate_plan_s(*plan) for plan in PLANS[mode])
+
+
+def announce(part: str, seconds: float | None) -> None:
+    """Print what runs next and how long it should take (`None`: tiny CPU shapes, no estimate)."""
+    when = "tiny CPU shapes" if seconds is None else f"estimated {seconds / 60:.1f} min on an H200"
+    print(f"gpu_check: {part} ({when})", flush=True)
+
+
+def throughput_plan(setup: Setup, model: str, tokens: list[int], methods: list[str]) -> dict[str, Any]:
+    """`vasepatch bench` of one model, all methods in one process (CUDA memory per method from
+    `max_memory_allocated`); an error is reported, not raised."""
     from vasepatch import VaSEConfig
     from vasepatch.bench.runner import run_benchmark
     from vasepatch.bench.settings import Settings
 
     if setup.device.type == "cuda":
-        plans = [
-            ("shape:qwen3-4b", [2048, 4096, 8192, 16384], ["dense", "vase", "vase-dkv", "snapkv", "vase+compile"]),
-            ("shape:qwen3-14b", [4096, 16384], ["dense", "vase", "vase-dkv"]),
-        ]
-        cache = VaSEConfig(budget=4096, window=64, seed=0)
-        common = dict(cache=cache, batch=[16], repeats=2, device="cuda", dtype="bfloat16")
-        if quick:
-            plans = [("shape:qwen3-4b", [2048, 4096], ["dense", "vase"])]
+        cache = VaSEConfig(budget=GPU_BUDGET, window=GPU_WINDOW, seed=0)
+        common = dict(cache=cache, batch=[GPU_BATCH], repeats=GPU_REPEATS, device="cuda", dtype="bfloat16")
     else:
-        plans = [("shape:tiny-qwen3", [32, 64], ["dense", "vase"])]
         common = dict(cache=VaSEConfig(budget=16, window=4, seed=0), batch=[2], repeats=2, prompt_len=8)
-    runs = []
-    for model, tokens, methods in plans:
-        settings = Settings(model=model, tokens=tokens, methods=methods, isolate="none", progress=False, **common)
-        try:
-            result = run_benchmark(settings)
-            runs.append(
-                {
-                    "model": model,
-                    "results": result["results"],
-                    "errors": result["errors"],
-                    "warmups": result["warmups"],
-                    "wall_s": result["wall_s"],
-                }
-            )
-        except Exception as err:  # keep what the other shapes measured
-            runs.append({"model": model, "error": f"{type(err).__name__}: {err}"})
-        done = runs[-1]
-        print(f"throughput {model}: {done['error'] if 'error' in done else str(len(done['results'])) + ' rows'}")
-    return runs
+    settings = Settings(model=model, tokens=tokens, methods=methods, isolate="none", progress=False, **common)
+    try:
+        result = run_benchmark(settings)
+    except Exception as err:  # keep what the other shapes measured
+        run = {"model": model, "error": f"{type(err).__name__}: {err}"}
+    else:
+        run = {"model": model, **{k: result[k] for k in ("results", "errors", "warmups", "wall_s")}}
+    print(f"throughput {model}: {run['error'] if 'error' in run else str(len(run['results'])) + ' rows'}")
+    return run
 
 
-def part2(setup: Setup, out_dir: Path, mode: str = "full") -> dict[str, Any] | None:
-    """Part 2: the compile/CUDA-graphs check and the throughput tables (`mode` full|quick|skip)."""
+def _guarded(check: Callable[[Setup], dict[str, Any]], setup: Setup) -> dict[str, Any]:
+    try:
+        return check(setup)
+    except Exception as err:
+        return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+
+
+def part2(setup: Setup, report: dict[str, Any], save: Callable[[], None], mode: str = "default") -> None:
+    """Part 2 into `report["part2"]`: the compile/CUDA-graphs check, the device_map check and the
+    throughput tables (`mode` default|long|quick|skip), calling `save()` after each, so that a run
+    stopped half-way keeps what it measured."""
     if mode == "skip":
-        return None
-    out: dict[str, Any] = {}
-    try:
-        out["compile"] = compile_check(setup)
-    except Exception as err:
-        out["compile"] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-    try:
-        out["device_map"] = device_map_check(setup)
-    except Exception as err:
-        out["device_map"] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-    out["throughput"] = throughput(setup, quick=mode == "quick")
-    return out
+        return
+    cuda = setup.device.type == "cuda"
+    out: dict[str, Any] = {"mode": mode, "throughput": []}
+    report["part2"] = out
+    for key, check in (("compile", compile_check), ("device_map", device_map_check)):
+        announce(f"{key} check", FIXED_S[key] if cuda else None)
+        out[key] = _guarded(check, setup)
+        save()
+    plans = PLANS[mode] if cuda else [("shape:tiny-qwen3", [32, 64], ["dense", "vase"])]
+    for model, tokens, methods in plans:
+        announce(
+            f"throughput {model} at {tokens} ({', '.join(methods)})",
+            estimate_plan_s(model, tokens, methods) if cuda else None,
+        )
+        out["throughput"].append(throughput_plan(setup, model, tokens, methods))
+        save()
 
 
 def environment(setup: Setup) -> dict[str, Any]:
@@ -456,20 +540,25 @@ def environment(setup: Setup) -> dict[str, Any]:
 def part2_markdown(part: dict[str, Any]) -> list[str]:
     from vasepatch.bench.report import batch_table
 
-    c = part["compile"]
+    c = part.get("compile")
     lines = ["", "## Compile check (generate's own compile route, CUDA graphs on GPU)", ""]
-    if "error" in c:
+    if c is None:
+        lines.append("not run yet")
+    elif "error" in c:
         lines.append(f"error: {c['error']}")
     else:
         lines += [
-            "| backend | evictions | graphs | graph breaks | CUDA-graph skips | token agreement | eager s "
-            "| compiled s | speed-up |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| backend | evictions | graphs | graph breaks | CUDA-graph skips | token agreement (min) | eager s "
+            "| compiled s | speed-up | ok |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             f"| {c['attn_backend']} | {c['evictions']} | {c['graphs']} | {c['graph_breaks']} | {c['cudagraph_skips']} "
-            f"| {c['token_agreement']:.3f} | {c['eager_s']:.2f} | {c['compiled_s']:.2f} | {c['speedup']:.2f} |",
+            f"| {c['token_agreement']:.3f} ({c['min_token_agreement']}) | {c['eager_s']:.2f} | {c['compiled_s']:.2f} "
+            f"| {c['speedup']:.2f} | {'yes' if c['ok'] else '**no**'} |",
+            "",
+            "The eager run passes `disable_compile=True` (transformers would otherwise compile it on CUDA).",
         ]
     lines += device_map_markdown(part.get("device_map"))
-    for run in part["throughput"]:
+    for run in part.get("throughput", []):
         lines += ["", f"## Throughput: `{run['model']}` (random weights)", ""]
         if "error" in run:
             lines.append(f"error: {run['error']}")
@@ -539,7 +628,22 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(out_dir: Path | str, *, allow_cpu: bool = False, iters: int | None = None, part2_mode: str = "full") -> int:
+def write_report(out_dir: Path, report: dict[str, Any]) -> None:
+    """Write `gpu_check.json` and `gpu_check.md` (called after every part: a stopped run keeps what it measured)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "gpu_check.md").write_text(markdown(report))
+
+
+def failures(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The failed part-1 rows and part-2 checks."""
+    failed = [r for r in report["checks"] if not r["ok"]]
+    if report["part2"] is not None:
+        failed += [report["part2"][k] for k in ("compile", "device_map") if not report["part2"][k].get("ok")]
+    return failed
+
+
+def main(out_dir: Path | str, *, allow_cpu: bool = False, iters: int | None = None, part2_mode: str = "default") -> int:
     out_dir = Path(out_dir)
     if torch.cuda.is_available():
         device = torch.device("cuda")
@@ -548,9 +652,12 @@ def main(out_dir: Path | str, *, allow_cpu: bool = False, iters: int | None = No
     else:
         print("gpu_check: no CUDA device; pass --allow-cpu to run the same checks on CPU (fp32, tiny shapes)")
         return 2
+    cuda = device.type == "cuda"
+    if cuda:
+        print(f"gpu_check: whole run estimated {estimate_run_s(part2_mode) / 60:.1f} min on an H200", flush=True)
     setup = make_setup(device, iters)
     setup.variants, skipped = variants(setup)
-    rows = part1(setup)
+    announce("part 1: backends against sdpa", FIXED_S["part1"] if cuda else None)
     report = {
         "device": device.type,
         "env": environment(setup),
@@ -558,26 +665,38 @@ def main(out_dir: Path | str, *, allow_cpu: bool = False, iters: int | None = No
         "shapes": [asdict(s) for s in setup.shapes],
         "backends": sorted({v["backend"] for v in setup.variants.values()}, key=bk.BACKENDS.index),
         "unavailable": skipped,
-        "checks": rows,
-        "part2": part2(setup, out_dir, part2_mode),
+        "checks": part1(setup),
+        "part2": None,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / "gpu_check.md").write_text(markdown(report))
-    failed = [r for r in rows if not r["ok"]]
-    if report["part2"] is not None:
-        failed += [report["part2"][k] for k in ("compile", "device_map") if not report["part2"][k].get("ok")]
+    write_report(out_dir, report)
+    part2(setup, report, functools.partial(write_report, out_dir, report), part2_mode)
+    failed, rows = failures(report), report["checks"]
     print(f"gpu_check: {len(rows) - len(failed)}/{len(rows)} checks ok; wrote {out_dir}/gpu_check.{{json,md}}")
     return 1 if failed else 0
 
 
-if __name__ == "__main__":
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--allow-cpu", action="store_true", help="without CUDA, run fp32 tiny shapes on CPU")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per backend (default 100 GPU, 3 CPU)")
     parser.add_argument(
-        "--part2", choices=("full", "quick", "skip"), default="full", help="compile check and throughput tables"
+        "--part2",
+        choices=("default", "quick", "skip", "full"),
+        default="default",
+        help="compile and device_map checks and throughput tables (default: Qwen3-4B at 4K and 16K, ~4 min)",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="the long throughput tables instead: Qwen3-4B at 2K-16K with 5 methods, then Qwen3-14B (~9 min)",
+    )
+    args = parser.parse_args(argv)
+    if args.long or args.part2 == "full":  # `full`: the long tables (the old default)
+        args.part2 = "long"
+    return args
+
+
+if __name__ == "__main__":
+    args = parse_args()
     sys.exit(main(args.out_dir, allow_cpu=args.allow_cpu, iters=args.iters, part2_mode=args.part2))
