@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
-from vasepatch.bench.settings import DEFAULT_METHODS, DTYPES, ISOLATION, MASKS, Settings
-from vasepatch.config import VaSEConfig
+from vasepatch.bench.settings import DTYPES, ISOLATION, MASKS, Settings
 
 # `--quick`: a smoke run of about a minute on 2 CPU cores (SmolLM2-135M); explicit options win.
 QUICK: dict[str, Any] = {"tokens": [256, 512], "budget": 128, "window": 32, "batch": [1], "repeats": 1}
-CACHE_OPTIONS = ("budget", "window")  # options that live in `Settings.cache`
 
 
 def _int_list(name: str, text: str) -> list[int]:
@@ -26,65 +25,86 @@ def _csv(values: list[int]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = Settings()
-    p.add_argument("--model", default=d.model, help="registered name, HF directory, .gguf file or shape:NAME")
+    d = Settings()  # every option defaults to None: `--resume` tells given options from omitted ones
+    p.add_argument("--model", default=None, help=f"registered name, HF directory, .gguf file or shape:NAME ({d.model})")
     p.add_argument("--tokens", default=None, help=f"generated lengths to time at (default {_csv(d.tokens)})")
     p.add_argument("--budget", type=int, default=None, help=f"vasepatch/kvpress budget (default {d.cache.budget})")
     p.add_argument("--window", type=int, default=None, help=f"eviction window (default {d.cache.window})")
     p.add_argument("--batch", default=None, help=f"batch sizes (default {_csv(d.batch)})")
     p.add_argument(
         "--methods",
-        default=",".join(DEFAULT_METHODS),
-        help="dense, static, kvpress or policy names, each optionally +compile",
+        default=None,
+        help=f"dense, static, floor, kvpress or policy names, each optionally +compile (default {','.join(d.methods)})",
     )
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="random prompt tokens (prefill, untimed)")
+    p.add_argument("--prompt-len", type=int, default=None, help=f"random prompt tokens (default {d.prompt_len})")
     p.add_argument("--repeats", type=int, default=None, help=f"timed segments per length (default {d.repeats})")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per segment (default: window)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=d.cache.seed,
-        help="seeds the random prompts, shape: weights and VaSE sampling (default 0)",
-    )
-    p.add_argument("--isolate", choices=ISOLATION, default=d.isolate, help="worker process per method (CPU default)")
-    p.add_argument("--mask", choices=MASKS, default=d.mask, help="attention mask of ones: auto = eager methods only")
+    p.add_argument("--device", default=None, help=f"cpu or cuda[:N] (default {d.device})")
+    p.add_argument("--seed", type=int, default=None, help="seeds the prompts, shape: weights, VaSE sampling (0)")
+    p.add_argument("--isolate", choices=ISOLATION, default=None, help="worker process per method (CPU default)")
+    p.add_argument("--mask", choices=MASKS, default=None, help="attention mask of ones: auto = eager methods only")
+    p.add_argument("--skip", default=None, help="rows not to run: method@batch[:length], comma-separated")
     quick = " ".join(f"--{k} {_csv(v) if isinstance(v, list) else v}" for k, v in QUICK.items())
     p.add_argument("--quick", action="store_true", help=f"smoke run (about a minute): {quick}, unless given")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--out", default=d.out)
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Validated `Settings` from the parsed options (`ValueError` names the bad one)."""
-    d = Settings()
-
-    def pick(name: str, given: Any) -> Any:
-        if given is not None:
-            return given
-        if args.quick and name in QUICK:
-            return QUICK[name]
-        return getattr(d.cache if name in CACHE_OPTIONS else d, name)
-
-    cache = VaSEConfig(budget=pick("budget", args.budget), window=pick("window", args.window), seed=args.seed)
-    return Settings(
-        model=args.model,
-        cache=cache,
-        tokens=pick("tokens", None if args.tokens is None else _int_list("tokens", args.tokens)),
-        batch=pick("batch", None if args.batch is None else _int_list("batch", args.batch)),
-        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
-        prompt_len=args.prompt_len,
-        repeats=pick("repeats", args.repeats),
-        steps=args.steps,
-        dtype=args.dtype,
-        device=args.device,
-        threads=args.threads,  # the shared --threads option (vasepatch.cli): torch threads per method
-        isolate=args.isolate,
-        mask=args.mask,
-        out=args.out,
-        progress=not args.no_progress,
+    p.add_argument("--out", default=None, help=f"output folder (default {d.out})")
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        default=None,
+        help="finish the run in DIR/bench.json (its settings; other options must match them), writing to DIR",
     )
+
+
+def given_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the options give explicitly (`--quick`'s preset included), as `Settings.to_dict` keys."""
+    given: dict[str, Any] = {k: v for k, v in QUICK.items() if args.quick}
+    lists = {"tokens": args.tokens, "batch": args.batch}
+    given.update({k: _int_list(k, v) for k, v in lists.items() if v is not None})
+    if args.methods is not None:
+        given["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.skip is not None:
+        given["skip"] = [e.strip() for e in args.skip.split(",") if e.strip()]
+    plain = ("model", "budget", "window", "prompt_len", "repeats", "steps", "dtype", "device", "seed", "isolate")
+    plain += ("mask",)
+    given.update({k: getattr(args, k) for k in plain if getattr(args, k) is not None})
+    given["threads"] = args.threads  # the shared --threads option (vasepatch.cli): torch threads per method
+    return given
+
+
+def load_resumed(directory: str, given: dict[str, Any]) -> dict[str, Any]:
+    """`DIR/bench.json`, checked against the `given` settings (`ValueError` names a differing one)."""
+    path = Path(directory) / "bench.json"
+    try:
+        previous = json.loads(path.read_text())
+        stored = previous["settings"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"resume: cannot read a bench result from {path}: {err}") from None
+    stored.setdefault("skip", [])
+    for key, value in given.items():
+        if stored.get(key) != value:
+            raise ValueError(
+                f"resume: setting {key!r} differs from {path}: stored {stored.get(key)!r}, given {value!r} "
+                "(omit the option to keep the stored value)"
+            )
+    return previous
+
+
+def settings_from_args(args: argparse.Namespace) -> tuple[Settings, dict[str, Any] | None]:
+    """Validated `Settings` from the parsed options (`ValueError` names the bad one), and the
+    result to resume (`--resume`), if any."""
+    given = given_settings(args)
+    previous = None
+    if args.resume is not None:
+        if args.out is not None and Path(args.out).resolve() != Path(args.resume).resolve():
+            raise ValueError(f"resume: the output goes to {args.resume}; drop --out {args.out}")
+        previous = load_resumed(args.resume, given)
+        given = {**previous["settings"], "out": args.resume}
+    elif args.out is not None:
+        given["out"] = args.out
+    settings = Settings.from_dict({**given, "progress": not args.no_progress})
+    return settings, previous
 
 
 def main(args: argparse.Namespace) -> None:
@@ -92,11 +112,12 @@ def main(args: argparse.Namespace) -> None:
     from vasepatch.bench.runner import run_benchmark
 
     try:
-        settings = settings_from_args(args)
+        settings, previous = settings_from_args(args)
     except ValueError as err:
         raise SystemExit(f"vasepatch bench: error: {err}") from None
-    result = run_benchmark(settings)
-    paths = report.write(result, Path(settings.out))
+    out = Path(settings.out)
+    result = run_benchmark(settings, previous=previous, save=lambda partial: report.save(partial, out))
+    paths = report.write(result, out)
     print(report.markdown(result))
     for path in paths:
         print(path)

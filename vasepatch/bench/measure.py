@@ -227,6 +227,7 @@ class MethodRunner:
         m, steps = self.method, self.settings.steps
         t0 = time.perf_counter()
         m.advance_to(length, self.stream)
+        m.before_segment()
         forward_s = time.perf_counter() - t0
         start = m.generated
         graphs = _compiled_graphs()

@@ -11,6 +11,10 @@ Methods:
 - a vasepatch policy (or `full`, the never-evicting mode): `vasepatch.patch(model,
   config=settings.cache_config(spec))` and `handle.new_cache()`; its K/V bytes and
   eviction count come from `cache.stats()`;
+- `floor`: the unpatched model with a `DynamicCache` holding a `budget`-token prompt (its own
+  seeded ids), rewound to that prompt before every timed segment: what an ideal fixed-size
+  cache of `budget` tokens costs (`floor+compile`: a `StaticCache` of `budget + max(steps,
+  window) + 1` slots, so that the compiled graph keeps its shapes);
 - `kvpress`: NVIDIA kvpress `DecodingPress(KnormPress())` over a `DynamicCache`,
   compressing to `cache.budget` every `cache.window` decode steps;
 - `+compile` on any of them: `model.forward = torch.compile(model.forward, fullgraph=True)`
@@ -52,7 +56,14 @@ def tensor_bytes(cache: Any) -> int:
 
 
 class Method:
-    """One method on its own module tree (see the module docstring)."""
+    """One method on its own module tree (see the module docstring).
+
+    `absolute_positions`: pass `cache_position` (the absolute positions of the new tokens)
+    where the model takes it (transformers < 5.2x): a `StaticCache` otherwise derives them
+    from the occupied slots, a data-dependent count that `fullgraph` compilation rejects.
+    """
+
+    absolute_positions = False
 
     def __init__(self, spec: MethodSpec, model: torch.nn.Module, settings: Settings) -> None:
         self.spec = spec
@@ -60,6 +71,7 @@ class Method:
         self.model = model
         self.device = next(model.parameters()).device
         self.keyword = cache_keyword(model)
+        self.takes_positions = "cache_position" in inspect.signature(model.forward).parameters
         self.prepare()
         self.use_mask = settings.mask_for(spec)
         self.eager_forward = model.forward
@@ -102,6 +114,9 @@ class Method:
     def close(self) -> None:
         """Undo `prepare`."""
 
+    def before_segment(self) -> None:
+        """Called (untimed) after the fast-forward, right before a segment's timed steps."""
+
     # --- driving the sequence -----------------------------------------------------------------
     @property
     def generated(self) -> int:
@@ -135,6 +150,8 @@ class Method:
             "use_cache": True,
             "position_ids": (torch.arange(q, device=self.device) + self.seen).expand(b, q),
         }
+        if self.absolute_positions and self.takes_positions:
+            kwargs["cache_position"] = torch.arange(q, device=self.device) + self.seen
         if self.use_mask:
             kwargs["attention_mask"] = self._mask[:, : self.seen + q]
         if last_only:
@@ -165,10 +182,65 @@ class DenseMethod(Method):
 class StaticMethod(Method):
     """transformers' `StaticCache` of `prompt + max_generated` slots."""
 
+    absolute_positions = True
+
     def new_cache(self, batch: int, max_len: int) -> Any:
         from transformers import StaticCache
 
         return StaticCache(config=self.model.config, max_cache_len=max_len)
+
+
+def floor_prompt(settings: Settings, batch: int, vocab: int) -> torch.Tensor:
+    """The floor's seeded random prompt `[B, budget]` (its own generator stream: the other
+    methods' inputs do not depend on whether a floor runs)."""
+    g = torch.Generator().manual_seed(settings.cache.seed * 1009 + batch + 7_000_003)
+    return torch.randint(vocab, (batch, settings.cache.budget), generator=g)
+
+
+class FloorMethod(Method):
+    """The dense model over a `budget`-token prompt, rewound to it before every timed segment.
+
+    `start` ignores the shared prompt (it prefills `floor_prompt`), `advance_to` does nothing
+    (there is nothing to fast-forward to) and `before_segment` rewinds the cache to the prompt,
+    with the pending token the prefill chose: every segment times the first `steps` decode steps.
+    """
+
+    absolute_positions = True
+
+    def new_cache(self, batch: int, max_len: int) -> Any:
+        from transformers import DynamicCache, StaticCache
+
+        if self.spec.compile:  # a compiled DynamicCache would recompile as it grows
+            return StaticCache(config=self.model.config, max_cache_len=max_len)
+        return DynamicCache(config=self.model.config)
+
+    def start(self, prompt: torch.Tensor, max_generated: int) -> None:
+        own = floor_prompt(self.settings, prompt.shape[0], self.model.config.vocab_size).to(self.device)
+        super().start(own, self.settings.floor_generated)
+        self.first_token = self.next_token.clone()
+
+    def advance_to(self, target: int, stream: torch.Tensor) -> None:
+        """Nothing: every floor segment starts from the prompt (see `before_segment`)."""
+
+    def before_segment(self) -> None:
+        self.rewind()
+
+    def rewind(self) -> None:
+        """Back to the state right after the prefill: the cache holds the prompt only."""
+        extra = self.seen - self.prompt_len
+        if extra > 0 and self.spec.compile:
+            for layer in self.cache.layers:  # StaticLayer: clear the decoded slots
+                layer.keys[:, :, self.prompt_len :].zero_()  # transformers 5.0 counts the non-zero slots
+                layer.values[:, :, self.prompt_len :].zero_()
+                length = getattr(layer, "cumulative_length", None)
+                if isinstance(length, torch.Tensor):  # transformers >= 5.2x: a 0-d position tensor
+                    length.fill_(self.prompt_len)
+                elif length is not None:
+                    layer.cumulative_length = self.prompt_len
+        elif extra > 0:
+            self.cache.crop(-extra)  # negative: remove `extra` tokens (transformers 5.0 and later)
+        self.seen = self.prompt_len
+        self.next_token = self.first_token.clone()
 
 
 class PolicyMethod(Method):
@@ -266,5 +338,6 @@ def build_method(spec: MethodSpec, model: torch.nn.Module, settings: Settings) -
         cfg = torch._dynamo.config
         name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
         setattr(cfg, name, max(getattr(cfg, name), 64))
-    cls = {"dense": DenseMethod, "static": StaticMethod, "kvpress": KVPressMethod}.get(spec.base, PolicyMethod)
+    baselines = {"dense": DenseMethod, "static": StaticMethod, "kvpress": KVPressMethod, "floor": FloorMethod}
+    cls = baselines.get(spec.base, PolicyMethod)
     return cls(spec, model, settings)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +29,23 @@ def _share(value: float | None) -> str:
 def batch_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of one batch size's rows."""
     compiled = any(r["compile_speedup"] is not None for r in rows)
-    columns = ["method", "generated", "tok/s median [min-max]", "vs dense", "KV MiB", "peak MiB", "eviction share"]
+    columns = ["method", "generated", "tok/s median [min-max]", "vs dense", "vs floor", "KV MiB", "peak MiB"]
+    columns.append("eviction share")
     if compiled:
         columns.append("compiled / eager")
     cells = []
     for r in rows:
+        if r.get("skipped"):
+            cell = dict.fromkeys(columns, "—")
+            cell.update(method=r["method"], generated=str(r["length"]))
+            cells.append({**cell, "tok/s median [min-max]": "not run (--skip)"})
+            continue
         cell = {
             "method": r["method"],
             "generated": str(r["length"]),
             "tok/s median [min-max]": f"{r['tok_s']:.1f} [{r['tok_s_min']:.1f}-{r['tok_s_max']:.1f}]",
             "vs dense": _num(r["ratio_to_dense"]),
+            "vs floor": _num(r.get("ratio_to_floor")),
             "KV MiB": _mib(r["kv_mib"]),
             "peak MiB": _mib(r["peak_mib"]),
             "eviction share": _share(r["eviction_share"]),
@@ -46,6 +54,13 @@ def batch_table(rows: list[dict[str, Any]]) -> str:
             cell["compiled / eager"] = _num(r["compile_speedup"])
         cells.append(cell)
     return markdown_table(cells, columns)
+
+
+FLOOR_LINE = (
+    "*vs floor*: tok/s over that of `floor`, the dense model whose `DynamicCache` holds just a `budget`-token "
+    "prompt, timed over its first `steps` decode steps (an ideal fixed-size cache; compiled methods are compared "
+    "with `floor+compile`, a `StaticCache` of that size, when it ran)."
+)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -58,7 +73,11 @@ def markdown(result: dict[str, Any]) -> str:
         f"torch {env['torch']}, transformers {env['transformers']}; isolation: {env['isolation']}; "
         f"{result['wall_s']:.0f} s)",
         "",
+        FLOOR_LINE,
+        "",
     ]
+    if not result.get("complete", True):
+        lines += ["**Incomplete run** (interrupted, or still running): `vasepatch bench --resume DIR` finishes it.", ""]
     rows = result["results"]
     for batch in s["batch"]:
         batch_rows = [r for r in rows if r["batch"] == batch]
@@ -132,13 +151,26 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
-def write(result: dict[str, Any], out: Path) -> list[Path]:
-    """`bench.json`, `bench.md`, `throughput.png` (decode tok/s vs generated length) and
-    `memory.png` (KV and peak MiB vs generated length) under `out`; returns their paths."""
+def _replace(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically (a temporary file, then `os.replace`)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save(result: dict[str, Any], out: Path) -> list[Path]:
+    """`bench.json` and `bench.md` under `out`, each replaced atomically; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench.json", out / "bench.md"]
-    paths[0].write_text(json.dumps(result, indent=1) + "\n")
-    paths[1].write_text(markdown(result))
+    _replace(paths[0], json.dumps(result, indent=1) + "\n")
+    _replace(paths[1], markdown(result))
+    return paths
+
+
+def write(result: dict[str, Any], out: Path) -> list[Path]:
+    """`bench.json`, `bench.md` (see `save`), `throughput.png` (decode tok/s vs generated length)
+    and `memory.png` (KV and peak MiB vs generated length) under `out`; returns their paths."""
+    paths = save(result, out)
     if result["results"] and importlib.util.find_spec("matplotlib") is not None:  # the `eval` extra brings it
         paths += plot(result, out)
     return paths

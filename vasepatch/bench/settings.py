@@ -9,7 +9,7 @@ from vasepatch import policies
 from vasepatch.config import VaSEConfig
 from vasepatch.threads import default_threads
 
-BASELINES = ("dense", "static", "kvpress")
+BASELINES = ("dense", "static", "kvpress", "floor")
 COMPILE_SUFFIX = "+compile"
 DEFAULT_METHODS = ("dense", "static", "vase", "vase-dkv", "snapkv")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -91,6 +91,7 @@ class Settings:
     threads: int | None = None
     isolate: str = "auto"
     mask: str = "auto"
+    skip: list[str] = field(default_factory=list)
     out: str = "bench-results"
     progress: bool = True
 
@@ -101,6 +102,7 @@ class Settings:
         self._check_device()
         self._check_execution()
         self._check_model()
+        self._check_skip()
 
     def _check_cache(self) -> None:
         if not isinstance(self.cache, VaSEConfig):
@@ -164,6 +166,35 @@ class Settings:
             if self.model.removeprefix("shape:") not in SHAPES:
                 raise ValueError(f"model: unknown shape {self.model!r}; known: {', '.join(SHAPES)}")
 
+    def _check_skip(self) -> None:
+        """`skip` entries `method@batch` or `method@batch:length` -> `self.skipped` (method, batch, length|None)."""
+        self.skip = [str(e).strip() for e in self.skip if str(e).strip()]
+        self.skipped: set[tuple[str, int, int | None]] = set()
+        for entry in self.skip:
+            name, _, where = entry.partition("@")
+            batch, _, length = where.partition(":")
+            try:
+                key = (name, int(batch), int(length) if length else None)
+            except ValueError:
+                raise ValueError(f"skip: {entry!r} is not method@batch or method@batch:length") from None
+            if key[0] not in self.methods or key[1] not in self.batch or key[2] not in (None, *self.tokens):
+                raise ValueError(
+                    f"skip: {entry!r} names a method, batch or length not in this run "
+                    f"(methods {self.methods}, batch {self.batch}, tokens {self.tokens})"
+                )
+            self.skipped.add(key)
+
+    def is_skipped(self, method: str, batch: int, length: int | None = None) -> bool:
+        """Whether `--skip` leaves out `method` at `batch` and `length` (`None`: at every length)."""
+        if (method, batch, None) in self.skipped:
+            return True
+        return length is not None and (method, batch, length) in self.skipped
+
+    @property
+    def floor_generated(self) -> int:
+        """Decode slots the floor's cache holds after its `budget`-token prompt (warm-up and one segment)."""
+        return max(self.steps, self.cache.window) + 1
+
     @property
     def max_generated(self) -> int:
         """Generated tokens at the end of the last timed segment."""
@@ -184,8 +215,9 @@ class Settings:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Settings:
         """The settings that `to_dict` wrote (e.g. the `settings` of a `bench.json`)."""
-        d = dict(d)
-        cache = VaSEConfig(budget=d.pop("budget"), window=d.pop("window"), seed=d.pop("seed"))
+        d, base = dict(d), _default_cache()
+        budget, window, seed = (d.pop(k, getattr(base, k)) for k in ("budget", "window", "seed"))
+        cache = VaSEConfig(budget=budget, window=window, seed=seed)
         return cls(cache=cache, **d)
 
     def to_dict(self) -> dict[str, Any]:
@@ -207,5 +239,6 @@ class Settings:
             "threads": self.threads,
             "isolate": self.isolate,
             "mask": self.mask,
+            "skip": list(self.skip),
             "out": self.out,
         }

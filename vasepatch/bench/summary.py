@@ -19,8 +19,10 @@ def _median(values: list[float | None]) -> float | None:
 
 def summarise(settings: Settings, segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per method, batch and length: decode tok/s median and min/max over repeats,
-    the median per-repeat ratio to `dense` (and to the eager method, for `+compile`),
-    KV MiB, peak MiB and the eviction share (medians over repeats)."""
+    the median per-repeat ratio to `dense`, to the floor (`floor+compile` for compiled methods
+    when it ran, else `floor`) and to the eager method (for `+compile`), KV MiB, peak MiB and
+    the eviction share (medians over repeats). A `--skip`ped row says so (`skipped`) and has
+    no numbers."""
     by_key: dict[tuple[str, int, int], Segments] = defaultdict(dict)
     for seg in segments:
         by_key[seg["method"], seg["batch"], seg["length"]][seg["repeat"]] = seg
@@ -28,11 +30,26 @@ def summarise(settings: Settings, segments: list[dict[str, Any]]) -> list[dict[s
     for spec in settings.specs:
         for batch in settings.batch:
             for length in settings.tokens:
+                key = {"method": spec.name, "batch": batch, "length": length}
                 segs = by_key.get((spec.name, batch, length))
                 if segs:
+                    compiled_floor = spec.compile and by_key.get(("floor+compile", batch, length))
+                    floor = "floor+compile" if compiled_floor else "floor"
                     ref = {name: by_key.get((name, batch, length), {}) for name in ("dense", spec.base)}
-                    rows.append({"method": spec.name, "batch": batch, "length": length, **_row(spec, segs, ref)})
+                    ref["floor"] = by_key.get((floor, batch, length), {})
+                    rows.append({**key, **_row(spec, segs, ref)})
+                elif settings.is_skipped(spec.name, batch, length):
+                    rows.append({**key, **SKIPPED_ROW})
     return rows
+
+
+SKIPPED_ROW: dict[str, Any] = {
+    "skipped": True,
+    **dict.fromkeys(("tok_s", "tok_s_min", "tok_s_max", "ratio_to_dense", "ratio_to_floor", "compile_speedup")),
+    **dict.fromkeys(("kv_mib", "peak_mib", "eviction_share")),
+    "evicting_steps": 0,
+    "repeats": 0,
+}
 
 
 def _ratio(segs: Segments, ref: Segments) -> float | None:
@@ -48,6 +65,7 @@ def _row(spec: MethodSpec, segs: Segments, ref: dict[str, Segments]) -> dict[str
         "tok_s_min": min(tok_s),
         "tok_s_max": max(tok_s),
         "ratio_to_dense": _ratio(segs, ref["dense"]) if spec.name != "dense" else 1.0,
+        "ratio_to_floor": _ratio(segs, ref["floor"]) if spec.base != "floor" else 1.0,
         "compile_speedup": _ratio(segs, ref[spec.base]) if spec.compile else None,
         "kv_mib": _median([s["kv_bytes"] / MIB for s in segs.values()]),
         "peak_mib": _median([s["peak_bytes"] / MIB for s in segs.values()]),
