@@ -118,20 +118,21 @@ def test_forbid_host_sync_catches_a_sync():
         torch.ones(1).item()
 
 
-def test_decode_and_eviction_do_not_sync_with_the_device():
+@pytest.mark.parametrize("masked", [True, False], ids=["mask-of-ones", "no-mask"])
+def test_decode_and_eviction_do_not_sync_with_the_device(masked):
     """With the policy-output check off: that check reads its verdict on the host, once per
-    eviction, by design (`VaSEConfig.check_policy_output`)."""
+    eviction, by design (`VaSEConfig.check_policy_output`). Both write paths (the device fill
+    pointer with a mask; the host-known occupancy without one)."""
     layer = _layer(budget=16, window=4, check_policy_output=False)
     g = torch.Generator().manual_seed(0)
-    step(layer, _rand(2, 2, 9, 8, g), _rand(2, 2, 9, 8, g), _rand(2, 4, 9, 8, g), padding=torch.ones(2, 9))
+    step(layer, _rand(2, 2, 9, 8, g), _rand(2, 2, 9, 8, g), _rand(2, 4, 9, 8, g), torch.ones(2, 9) if masked else None)
     evictions = 0
     with forbid_host_sync():
         for i in range(40):
-            _, evicted = step(
-                layer, _rand(2, 2, 1, 8, g), _rand(2, 2, 1, 8, g), _rand(2, 4, 1, 8, g), padding=torch.ones(2, 10 + i)
-            )
+            padding = torch.ones(2, 10 + i) if masked else None
+            _, evicted = step(layer, _rand(2, 2, 1, 8, g), _rand(2, 2, 1, 8, g), _rand(2, 4, 1, 8, g), padding)
             evictions += evicted
-    assert evictions >= 5
+    assert evictions >= 5 and layer.padded == masked
 
 
 def test_memory_does_not_grow_with_generated_length(make_model):
@@ -308,3 +309,30 @@ def test_prefill_keep_after_reset_leaves_room_for_the_window():
     assert layer.capacity == 31 + 6
     evictions = sum(step(layer, *(_rand(1, 1, 1, 4, g) for _ in range(3)))[1] for _ in range(12))
     assert evictions >= 1 and layer.counters.occupancy <= layer.capacity
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("prompt", [6, 22], ids=["short-prompt", "prompt-over-budget"])
+def test_real_token_fast_path_equals_the_fill_pointer_path(backend, prompt):
+    """Steps without a padding mask take the eager fast path (writes at the host-known occupancy,
+    a mask-free decode attention, the ring written at its host pointer); the same steps with a
+    mask of ones take the device-pointer path. Outputs, buffers and counters must match exactly,
+    through chunks, one-token steps and several evictions."""
+    fast, masked = _layer(budget=16, window=4), _layer(budget=16, window=4)
+    g = torch.Generator().manual_seed(3)
+    b, hkv, hq, d = 2, 2, 4, 8
+    seen, evictions = 0, 0
+    for n in [prompt, 3, *[1] * 30, 2, *[1] * 9]:
+        k, v, q = _rand(b, hkv, n, d, g), _rand(b, hkv, n, d, g) * 3, _rand(b, hq, n, d, g)
+        out_fast, ev_fast = step(fast, k, v, q, None, backend)
+        out_masked, ev_masked = step(masked, k, v, q, torch.ones(b, seen + n), backend)
+        seen += n
+        torch.testing.assert_close(out_fast, out_masked, rtol=0, atol=1e-6)
+        assert ev_fast == ev_masked
+        for layer in (fast, masked):  # a compiled step would go on from the device pointer
+            assert int(layer.ring.pointer) == layer.ring.host_pointer
+        evictions += ev_fast
+    assert evictions >= 3 and not fast.padded and masked.padded
+    for name, value in _state(fast).items():
+        other = _state(masked)[name]
+        assert value == other if isinstance(value, dict) else torch.equal(value, other), name

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from vasepatch.cache import eviction, schedule, sliding
+from vasepatch.cache import eviction, schedule, sliding, writes
 from vasepatch.cache.counters import LayerCounters
 from vasepatch.cache.fixed_batch import FixedBatchLayer
 from vasepatch.cache.plan import LayerPlan
@@ -84,6 +84,7 @@ class VaSELayer(FixedBatchLayer):
         # then does not compile the decode step.
         self.is_compileable = self.evicts
         self._pending = 0  # tokens appended by compiled steps whose host bookkeeping is due
+        self.padded = False  # a step came with a padding mask: slots may hold padding (sticky until reset)
 
     # --- allocation -------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -95,6 +96,7 @@ class VaSELayer(FixedBatchLayer):
         self.fill = torch.zeros((), dtype=torch.long, device=self.device)  # next free slot
         self.seen = torch.zeros((), dtype=torch.long, device=self.device)  # tokens appended (= tokens_seen)
         self._allocate(key_states, value_states, schedule.capacity(self.budget, cfg.window, q_len, self.prefill))
+        self._real_row = torch.ones((b, 1), dtype=torch.bool, device=self.device)  # a real token's validity
         self.is_initialized = True
         mark_static(self.next_position, self.fill, self.seen)
 
@@ -138,21 +140,37 @@ class VaSELayer(FixedBatchLayer):
         Returns what the step's queries attend over."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        q_len = key_states.shape[-2]
-        new_valid = new_valid_mask(padding, q_len, self.batch_size, self.device)
+        q_len, w = key_states.shape[-2], self.plan.sliding_window
         compiling = torch.compiler.is_compiling()
         overflow = False if compiling else self._make_room(key_states, value_states)  # may raise: nothing moved yet
-        counts = new_valid.long().cumsum(-1) if q_len > 1 else new_valid.long()
-        new_pos = (self.next_position.unsqueeze(-1) + counts - 1).masked_fill_(~new_valid, -1)
-        self.next_position += counts[:, -1]
+        if padding is not None:
+            self.padded = True
+        if not (compiling or overflow or self.padded):
+            return self._append_real(key_states, value_states)
+        new_valid = new_valid_mask(padding, q_len, self.batch_size, self.device)
+        new_pos = writes.new_positions(self.next_position, new_valid, padding is None)
         self.seen += q_len
-        if compiling:  # static shapes: no host counter is read
-            return self._write(key_states, value_states, new_pos, new_valid, self.capacity, False)
-        first, w = self.counters.tokens_seen == 0, self.plan.sliding_window
+        buffers = (self.keys, self.values, self.positions, self.valid)
+        first, occ = not compiling and self.counters.tokens_seen == 0, self.counters.occupancy
         if overflow:
-            buffers, occ = (self.keys, self.values, self.positions, self.valid), self.counters.occupancy
             return overflow_step(buffers, occ, key_states, value_states, new_pos, new_valid, first, w)
-        return self._write(key_states, value_states, new_pos, new_valid, self.counters.occupancy + q_len, first)
+        slots = writes.write_at_fill(buffers, self.fill, self.slot_index, key_states, value_states, new_pos, new_valid)
+        length = self.capacity if compiling else occ + q_len  # compiled: static shapes, no host counter is read
+        return Step(*buffers, length, slots, new_valid, self.fill, first, False, w)
+
+    def _append_real(self, key_states: torch.Tensor, value_states: torch.Tensor) -> Step:
+        """Eagerly, real tokens into a layer that never held padding and has room for them: written at
+        the host-known occupancy (`writes.write_real`). The device counters advance as in any step; a
+        global layer's step is `dense` (every slot up to its length visible)."""
+        c, q_len, w = self.counters, key_states.shape[-2], self.plan.sliding_window
+        buffers = (self.keys, self.values, self.positions, self.valid)
+        writes.write_real(buffers, c.occupancy, c.tokens_seen, key_states, value_states)
+        for t in (self.next_position, self.seen, self.fill):
+            t.add_(q_len)
+        new_valid = self._real_row if q_len == 1 else self._real_row.expand(-1, q_len)
+        slots = self.slot_index.narrow(0, c.occupancy, q_len)
+        length, first = c.occupancy + q_len, c.tokens_seen == 0
+        return Step(*buffers, length, slots, new_valid, self.fill, first, False, w, w is None)
 
     def _make_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Eagerly, before a step moves anything: whether it must take the overflow path. Grows the buffer
@@ -173,19 +191,6 @@ class VaSELayer(FixedBatchLayer):
             return True
         raise schedule.keep_overflow_error(occ, q_len, self.capacity)
 
-    def _write(self, k, v, new_pos, new_valid, length: int, first: bool) -> Step:
-        """Write the step's tokens at the fill pointer (device-side offset: no host sync)."""
-        slots = self.fill + self.slot_index[: k.shape[-2]]
-        h, w = self.num_heads, self.plan.sliding_window
-        self.keys.index_copy_(2, slots, k)
-        self.values.index_copy_(2, slots, v)
-        self.positions.index_copy_(2, slots, new_pos.unsqueeze(1).expand(-1, h, -1))
-        self.valid.index_copy_(2, slots, new_valid.unsqueeze(1).expand(-1, h, -1))
-        self.fill += k.shape[-2]
-        return Step(
-            self.keys, self.values, self.positions, self.valid, length, slots, new_valid, self.fill, first, False, w
-        )
-
     def record_queries(self, query: torch.Tensor, step: Step) -> None:
         """Keep the queries (after RoPE, `[B, Hq, Q, D]`) of the last `window` tokens."""
         if self.policy is not None and not self.window_only:
@@ -203,6 +208,8 @@ class VaSELayer(FixedBatchLayer):
         """Host-side bookkeeping of compiled steps, run eagerly after the forward (a no-op
         after an eager step). Returns whether it evicted."""
         q_len, self._pending = self._pending, 0
+        if q_len and self.ring.queries is not None:
+            self.ring.advance(q_len)  # the compiled step wrote the ring at its device pointer
         return self._settle(q_len, None) if q_len else False
 
     def _settle(self, q_len: int, overflow: Step | None) -> bool:
@@ -278,6 +285,7 @@ class VaSELayer(FixedBatchLayer):
         self.rng.reset()
         self.counters.restart()
         self._pending = 0
+        self.padded = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: permute rows in place (storage unchanged)."""

@@ -11,9 +11,11 @@ class QueryRing:
     """`[B, Hq, window, D]` queries (after RoPE) and `[B, window]` validity.
 
     Allocated at the first write; the write position is a 0-d device tensor, so a
-    compiled step writes the ring without host syncs or recompiles. Padding
-    queries are kept but zeroed when read (a zero query spreads its attention
-    uniformly, so it favours no candidate).
+    compiled step writes the ring without host syncs or recompiles. Eagerly, the
+    same position is also known on the host (`host_pointer`, advanced by eager
+    writes and, after a compiled step, by `advance`), and a one-query write is a
+    plain copy into that slot. Padding queries are kept but zeroed when read (a
+    zero query spreads its attention uniformly, so it favours no candidate).
     """
 
     def __init__(self, window: int) -> None:
@@ -22,6 +24,7 @@ class QueryRing:
         self.valid: torch.Tensor | None = None
         self.pointer: torch.Tensor | None = None
         self.slot_index: torch.Tensor | None = None
+        self.host_pointer = 0  # = `pointer`, on the host
 
     def _allocate(self, query: torch.Tensor) -> None:
         b, hq, _, d = query.shape
@@ -39,10 +42,26 @@ class QueryRing:
             self._allocate(query)
         q_len = query.shape[-2]
         m = min(q_len, self.window)
-        slots = (self.pointer + self.slot_index[:m]) % self.window
-        self.queries.index_copy_(2, slots, query.narrow(2, q_len - m, m))
-        self.valid.index_copy_(1, slots, valid.narrow(1, q_len - m, m))
-        self.pointer.add_(m).remainder_(self.window)
+        if torch.compiler.is_compiling():  # the device pointer only; `advance` follows on the host
+            slots = (self.pointer + self.slot_index[:m]) % self.window
+            self.queries.index_copy_(2, slots, query.narrow(2, q_len - m, m))
+            self.valid.index_copy_(1, slots, valid.narrow(1, q_len - m, m))
+            self.pointer.add_(m).remainder_(self.window)
+            return
+        p = self.host_pointer
+        if m == 1:
+            self.queries.narrow(2, p, 1).copy_(query.narrow(2, q_len - 1, 1))
+            self.valid.narrow(1, p, 1).copy_(valid.narrow(1, q_len - 1, 1))
+        else:
+            slots = (p + self.slot_index[:m]) % self.window
+            self.queries.index_copy_(2, slots, query.narrow(2, q_len - m, m))
+            self.valid.index_copy_(1, slots, valid.narrow(1, q_len - m, m))
+        self.advance(q_len)
+        self.pointer.fill_(self.host_pointer)
+
+    def advance(self, q_len: int) -> None:
+        """Move the host pointer past a write of `q_len` queries (eagerly: after a compiled step)."""
+        self.host_pointer = (self.host_pointer + min(q_len, self.window)) % self.window
 
     def read(self) -> torch.Tensor:
         """`[B, Hq, window, D]`, padding and never-written queries zeroed."""
@@ -59,3 +78,4 @@ class QueryRing:
             self.queries.zero_()
             self.valid.zero_()
             self.pointer.zero_()
+        self.host_pointer = 0

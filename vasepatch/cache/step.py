@@ -32,6 +32,7 @@ class Step(NamedTuple):
     first: bool  # the first step of the cache (the prompt, or its first chunk); eager only
     overflow: bool  # the step's tokens are in temporaries; its eviction writes the buffer
     sliding_window: int | None = None  # a query sees the keys at positions > its own - this; None: all
+    dense: bool = False  # every one of the first `length` slots holds a real token a query may see (eager only)
 
     @property
     def q_len(self) -> int:

@@ -58,16 +58,30 @@ def _transformers_path() -> bool:
 
 
 def padding_mask_passthrough(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
-    """Mask function: for a vasepatch call, the 2-D padding mask (`[B, S]` bool) or `None`,
-    unchanged (sizes and offsets, whose names vary across releases, are ignored); for any
-    other call, the mask of the model's own attention implementation."""
+    """Mask function: for a vasepatch call, the 2-D padding mask (`[B, S]` bool) unchanged, or
+    `None` when there is none or, eagerly, it has no padding (`_all_real`); sizes and offsets,
+    whose names vary across releases, are ignored. For any other call, the mask of the model's
+    own attention implementation."""
     config = kwargs.get("config")
     original = getattr(config, ORIGINAL_ATTR, None)
     if original is None or not _transformers_path():
-        return attention_mask
+        return None if _all_real(attention_mask, kwargs.get("q_length")) else attention_mask
     if original not in ALL_MASK_ATTENTION_FUNCTIONS:
         return None  # what transformers does for an implementation without a mask function
     return ALL_MASK_ATTENTION_FUNCTIONS[original](*args, attention_mask=attention_mask, **kwargs)
+
+
+def _all_real(attention_mask: torch.Tensor | None, q_length: int | None) -> bool:
+    """Whether an eager vasepatch call's 2-D mask marks every token real: it is then dropped (the
+    layers' mask-free fast path), one reduction per forward, as transformers' own SDPA mask does.
+    Never under compilation (the compiled step keeps one graph whatever the mask holds)."""
+    if attention_mask is None or attention_mask.dim() != 2 or torch.compiler.is_compiling():
+        return False
+    if not isinstance(PATCHED_CALL.get(), VaSECache):
+        return False
+    if q_length is not None and attention_mask.shape[-1] < q_length:
+        return False  # too short: the layer names the problem
+    return bool(attention_mask.all())
 
 
 def vasepatch_attention(
@@ -221,7 +235,9 @@ def attend(
     unless the prompt is longer than the layer's sliding window. With `sdpa`, a first step
     without padding and within any sliding window is plain causal attention over its own
     tokens (no mask in memory). Everything else, and any step with `softcap` or `sinks`
-    (the eager math path), uses the masked grouped kernel over the step's first `length` slots."""
+    (the eager math path), uses the masked grouped kernel over the step's first `length` slots,
+    without a mask for a decode step whose slots are all visible (`step.dense`: eagerly, a
+    global layer that never took padding)."""
     math = softcap is not None or sinks is not None
     w = step.sliding_window
     within = w is None or step.q_len <= w  # causal over the step's own tokens is exact
@@ -236,7 +252,8 @@ def attend(
     n = step.length
     kernel = "eager" if math else _kernel(backend)
     keys, values = step.keys[:, :, :n], step.values[:, :, :n]
-    return grouped_attention(query, keys, values, step.mask(), scaling, kernel, softcap=softcap, sinks=sinks)
+    mask = None if step.dense and step.q_len == 1 else step.mask()  # a decode step that sees every slot: no mask
+    return grouped_attention(query, keys, values, mask, scaling, kernel, softcap=softcap, sinks=sinks)
 
 
 def _kernel(backend: str) -> str:

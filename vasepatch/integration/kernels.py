@@ -24,12 +24,12 @@ KERNELS = ("sdpa", "eager")
 _HAS_GQA = Version(torch.__version__.split("+")[0]) >= Version("2.5")  # SDPA's enable_gqa
 
 
-def _group(query: torch.Tensor, mask: torch.Tensor, h_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[B, Hq, Q, D]` -> `[B, Hkv, G*Q, D]` (rows ordered g-major), mask to match."""
+def _group(query: torch.Tensor, mask: torch.Tensor | None, h_kv: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[B, Hq, Q, D]` -> `[B, Hkv, G*Q, D]` (rows ordered g-major), mask to match (`None`: none)."""
     b, h_q, q_len, d = query.shape
     g = h_q // h_kv
     q = query.reshape(b, h_kv, g * q_len, d)  # heads h*G..h*G+G-1 share KV head h
-    if q_len == 1:  # one mask row per KV head serves its whole group: broadcast it
+    if q_len == 1 or mask is None:  # one mask row per KV head serves its whole group: broadcast it
         return q, mask
     m = mask.unsqueeze(2).expand(mask.shape[0], mask.shape[1], g, q_len, mask.shape[-1])
     return q, m.reshape(mask.shape[0], mask.shape[1], g * q_len, mask.shape[-1])
@@ -44,7 +44,7 @@ def _ungroup(out: torch.Tensor, h_q: int) -> torch.Tensor:
 def grouped_probs(
     q: torch.Tensor,
     key: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scaling: float,
     q_len: int,
     softcap: float | None = None,
@@ -58,7 +58,8 @@ def grouped_probs(
     scores = torch.matmul(q, key.transpose(-1, -2)) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     b, h_kv, gq, _ = scores.shape
@@ -72,7 +73,7 @@ def grouped_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scaling: float,
     kernel: str = "sdpa",
     dropout: float = 0.0,
@@ -81,7 +82,8 @@ def grouped_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked softmax attention with GQA by grouping; `kernel` is `"sdpa"` or `"eager"`
-    (`softcap` or `sinks` given: always the eager math path)."""
+    (`softcap` or `sinks` given: always the eager math path). `mask=None`: every query sees
+    every key (a decode step over slots that are all visible)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     q, m = _group(query, mask, key.shape[1])
