@@ -544,9 +544,8 @@ def test_patch_checks_head_dim_before_any_work(varlen_available, head_dim):
 
     model = tiny_model("qwen3", head_dim=head_dim).to(torch.bfloat16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.warns(UserWarning, match=f"head_dim={head_dim}"):
-        with vasepatch.patched(model, budget=16, window=4) as handle:
-            assert handle.attn_backend == "sdpa"
+    with pytest.warns(UserWarning, match=f"head_dim={head_dim}"), vasepatch.patched(model, budget=16, window=4) as h:
+        assert h.attn_backend == "sdpa"
     with pytest.raises(ValueError, match=rf"attn_backend.*head_dim={head_dim}"):
         vasepatch.patch(model, budget=16, window=4, attn_backend="torch_varlen")
     assert not vasepatch.is_patched(model) and "forward" not in model.__dict__

@@ -4,8 +4,9 @@ Per row `b` and KV head `h`, slot `s` holds `keys[b, h, s]`, `values[b, h, s]`,
 the token's absolute position `positions[b, h, s]` (-1 for padding) and whether
 it is a real token `valid[b, h, s]`. The buffers are allocated once, at the first
 step, with `budget + window` slots (`prefill="keep"`: `max(prompt, budget) +
-window`), and never move. Appends write at a fill pointer; an eviction gathers
-the kept slots to the front in place.
+window`), and never move. Appends write at a fill pointer (`vasepatch.cache.writes`:
+eagerly, real tokens into a layer that never held padding go to the host-known
+occupancy, with fewer ops); an eviction gathers the kept slots to the front in place.
 
 A sliding-window layer (`plan.sliding_window`) masks the keys outside each query's window,
 and keeps either exactly its window (`budget` = the window, no policy) or, when the window
