@@ -77,10 +77,10 @@ def window_attention(
     """
     h_kv, d = keys.shape[1], keys.shape[-1]
     q = rearrange(queries.float(), "b (h g) w d -> b h (g w) d", h=h_kv)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * (1.0 / (math.sqrt(d) * temperature))
-    logits = logits.masked_fill(~valid.unsqueeze(-2), float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with no valid candidate: all zero
-    scores = probs.mean(-2)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(1.0 / (math.sqrt(d) * temperature))
+    logits.masked_fill_(~valid.unsqueeze(-2), float("-inf"))  # in place: the largest tensor of an eviction
+    # a (row, head) with no valid candidate has NaN in every query's row: zero its mean, not each row
+    scores = torch.softmax(logits, dim=-1).mean(-2).nan_to_num_(0.0)
     if smooth > 1:
         b, h, n = scores.shape
         pooled = F.avg_pool1d(scores.reshape(b * h, 1, n), kernel_size=smooth, padding=smooth // 2, stride=1)
