@@ -180,6 +180,7 @@ def test_ratio_to_floor_picks_the_compiled_floor_for_compiled_methods():
     assert rows["vase"]["ratio_to_floor"] == 0.5 and rows["dense"]["ratio_to_floor"] == 0.25
     assert rows["vase+compile"]["ratio_to_floor"] == 0.5  # against floor+compile
     assert rows["floor"]["ratio_to_floor"] == rows["floor+compile"]["ratio_to_floor"] == 1.0
+    assert rows["floor+compile"]["compile_speedup"] == rows["vase+compile"]["compile_speedup"] == 4.0
     no_compiled_floor = [{**seg(m, v), **extra} for m, v in speeds.items() if m != "floor+compile"]
     rows = {r["method"]: r for r in summarise(settings, no_compiled_floor)}
     assert rows["vase+compile"]["ratio_to_floor"] == 2.0  # against eager floor

@@ -35,8 +35,11 @@ def summarise(settings: Settings, segments: list[dict[str, Any]]) -> list[dict[s
                 if segs:
                     compiled_floor = spec.compile and by_key.get(("floor+compile", batch, length))
                     floor = "floor+compile" if compiled_floor else "floor"
-                    ref = {name: by_key.get((name, batch, length), {}) for name in ("dense", spec.base)}
-                    ref["floor"] = by_key.get((floor, batch, length), {})
+                    ref = {
+                        "dense": by_key.get(("dense", batch, length), {}),
+                        "eager": by_key.get((spec.base, batch, length), {}),
+                        "floor": by_key.get((floor, batch, length), {}),
+                    }
                     rows.append({**key, **_row(spec, segs, ref)})
                 elif settings.is_skipped(spec.name, batch, length):
                     rows.append({**key, **SKIPPED_ROW})
@@ -58,7 +61,8 @@ def _ratio(segs: Segments, ref: Segments) -> float | None:
 
 
 def _row(spec: MethodSpec, segs: Segments, ref: dict[str, Segments]) -> dict[str, Any]:
-    """The measured columns of one row; `ref` holds the segments of `dense` and of `spec.base`."""
+    """The measured columns of one row; `ref` holds the segments of `dense`, of the eager method
+    (`spec.base`) and of the floor it is compared with."""
     tok_s = [s["tok_s"] for s in segs.values()]
     return {
         "tok_s": statistics.median(tok_s),
@@ -66,7 +70,7 @@ def _row(spec: MethodSpec, segs: Segments, ref: dict[str, Segments]) -> dict[str
         "tok_s_max": max(tok_s),
         "ratio_to_dense": _ratio(segs, ref["dense"]) if spec.name != "dense" else 1.0,
         "ratio_to_floor": _ratio(segs, ref["floor"]) if spec.base != "floor" else 1.0,
-        "compile_speedup": _ratio(segs, ref[spec.base]) if spec.compile else None,
+        "compile_speedup": _ratio(segs, ref["eager"]) if spec.compile else None,
         "kv_mib": _median([s["kv_bytes"] / MIB for s in segs.values()]),
         "peak_mib": _median([s["peak_bytes"] / MIB for s in segs.values()]),
         "eviction_share": _median([s["eviction_share"] for s in segs.values()]),
