@@ -233,11 +233,11 @@ def attend(
     contiguous range of slots (in a sliding-window layer, the part inside the window), and
     the first step (the prompt, eagerly) runs causal attention on the unpadded new tokens,
     unless the prompt is longer than the layer's sliding window. With `sdpa`, a first step
-    without padding and within any sliding window is plain causal attention over its own
-    tokens (no mask in memory). Everything else, and any step with `softcap` or `sinks`
-    (the eager math path), uses the masked grouped kernel over the step's first `length` slots,
-    without a mask for a decode step whose slots are all visible (`step.dense`: eagerly, a
-    global layer that never took padding)."""
+    within any sliding window is causal attention over its own tokens (unpadded: no mask in
+    memory; padded: one `[B, 1, Q, Q]` mask for every head). Everything else, and any step
+    with `softcap` or `sinks` (the eager math path), uses the masked grouped kernel over the
+    step's first `length` slots, without a mask for a decode step whose slots are all visible
+    (`step.dense`: eagerly, a global layer that never took padding)."""
     math = softcap is not None or sinks is not None
     w = step.sliding_window
     within = w is None or step.q_len <= w  # causal over the step's own tokens is exact
@@ -246,9 +246,11 @@ def attend(
             return backends.decode_attention(backend, query, step.keys, step.values, step.start(), step.end, scaling)
         if step.first and within:
             return backends.prefill_attention(backend, query, key, value, step.new_valid, scaling)
-    plain = step.first and step.q_len > 1 and backend == "sdpa" and within and not math
-    if plain and bool(step.new_valid.all()):
-        return causal_attention(query, key, value, scaling)  # an unpadded prompt (one host sync per generation)
+    if step.first and step.q_len > 1 and backend == "sdpa" and within and not math:
+        # the prompt attends over its own tokens: `is_causal` if unpadded (one host sync per generation),
+        # else one causal + padding mask for all heads
+        padded = not bool(step.new_valid.all())
+        return causal_attention(query, key, value, scaling, step.new_valid if padded else None)
     n = step.length
     kernel = "eager" if math else _kernel(backend)
     keys, values = step.keys[:, :, :n], step.values[:, :, :n]

@@ -114,15 +114,26 @@ def eager_attention_with_weights(
     return _ungroup(torch.matmul(probs, value), h_q), probs.reshape(b, h_q, q_len, key.shape[-2])
 
 
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal SDPA over one unpadded sequence per row (query `[B, Hq, Q, D]`, key/value
-    `[B, Hkv, Q, D]`): the `is_causal` path, which needs no mask in memory. Returns
-    `[B, Q, Hq, D]`."""
+def causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    padding: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal SDPA over one sequence per row (query `[B, Hq, Q, D]`, key/value `[B, Hkv, Q, D]`),
+    the step's own tokens: without `padding`, the `is_causal` path, which needs no mask in
+    memory; with `padding` (`[B, Q]` bool, True = real token), one `[B, 1, Q, Q]` causal +
+    padding mask shared by every head (`causal_padding_mask`). Returns `[B, Q, Hq, D]`."""
     g = query.shape[1] // key.shape[1]
     if g > 1 and not _HAS_GQA:  # torch < 2.5: repeat K/V (one layer's step at a time)
         key, value = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
     gqa = {"enable_gqa": True} if g > 1 and _HAS_GQA else {}
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, **gqa)
+    if padding is None:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, **gqa)
+    else:
+        mask = causal_padding_mask(padding, query.shape[-2], key.shape[-2], query.device)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, **gqa)
     return out.transpose(1, 2).contiguous()
 
 
