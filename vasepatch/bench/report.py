@@ -117,8 +117,8 @@ def figure(result: dict[str, Any], panels: list[tuple[str, str, bool]], what: st
     for col, batch in enumerate(s["batch"]):
         for row, (key, label, memory) in enumerate(panels):
             ax = axes[row][col]
-            curves = []
-            for method in methods:
+            curves, styles = [], []  # a method keeps its style in every panel, even where others are missing
+            for i, method in enumerate(methods):
                 pts = [
                     (r["length"], r[key])
                     for r in result["results"]
@@ -126,7 +126,8 @@ def figure(result: dict[str, Any], panels: list[tuple[str, str, bool]], what: st
                 ]
                 if pts:
                     curves.append((method, [x for x, _ in pts], [y for _, y in pts]))
-            style.lines(ax, curves)
+                    styles.append(i)
+            style.lines(ax, curves, styles=styles)
             ax.set_xscale("log", base=2)
             ax.set_xticks(s["tokens"], [str(n) for n in s["tokens"]])
             ax.set(xlabel="generated tokens", ylabel=label, title=f"batch {batch}")

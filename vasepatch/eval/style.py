@@ -63,11 +63,14 @@ def subplots(nrows: int = 1, ncols: int = 1, *, panel: tuple[float, float] = (5.
     return plt.subplots(nrows, ncols, figsize=size, squeeze=False, **kwargs)
 
 
-def lines(ax, curves: list[tuple[str, list[float], list[float]]], first: int = 0) -> None:
+def lines(
+    ax, curves: list[tuple[str, list[float], list[float]]], first: int = 0, styles: list[int] | None = None
+) -> None:
     """One styled line per `(label, xs, ys)` (styles `series(first)` on, so that a series keeps
-    its colour in a neighbouring panel that also shows the ones left out here), a grid, a legend."""
+    its colour in a neighbouring panel that also shows the ones left out here; or `series(styles[i])`
+    for the `i`-th curve), a grid, a legend."""
     for i, (label, xs, ys) in enumerate(curves):
-        ax.plot(xs, ys, label=label, **series(first + i))
+        ax.plot(xs, ys, label=label, **series(first + i if styles is None else styles[i]))
     ax.grid(alpha=0.3)
     if curves:
         ax.legend(fontsize=7, ncol=2 if len(curves) > 6 else 1)
