@@ -11,7 +11,7 @@ from vasepatch.threads import default_threads
 
 BASELINES = ("dense", "static", "kvpress", "floor")
 COMPILE_SUFFIX = "+compile"
-DEFAULT_METHODS = ("dense", "static", "vase", "vase-dkv", "snapkv")
+DEFAULT_METHODS = ("dense", "static", "floor", "vase", "vase-dkv", "snapkv")
 DTYPES = ("float32", "bfloat16", "float16")
 MASKS = ("auto", "ones", "none")
 ISOLATION = ("auto", "process", "none")
