@@ -103,9 +103,15 @@ def test_bench_figures_from_the_committed_results():
     memory = bench_report.figure(result, bench_report.MEMORY, "KV and peak memory")
     title = _title(memory)
     assert "smollm2-135m" in title and "budget 512 (window 64)" in title and "2.2x-16.2x compression" in title
+    drawn: dict[str, tuple] = {}
     for ax in memory.axes:
         assert ax.get_ylim()[0] == 0  # the peak was drawn from 890 MiB before
-        assert len(set(_styles(ax))) == len(result["settings"]["methods"])
+        labels = [line.get_label() for line in ax.get_lines() if line.get_label()[0] != "_"]
+        styles = _styles(ax)
+        assert len(set(styles)) == len(labels)  # distinct within a panel
+        for label, look in zip(labels, styles, strict=True):  # and a method's own in every panel (batch 8 skips one)
+            assert drawn.setdefault(label, look) == look
+    assert set(drawn) == set(result["settings"]["methods"])
 
 
 def test_replot_redraws_committed_results(tmp_path):
