@@ -1,6 +1,6 @@
 """Prefill time of the patched model against the unpatched one, side by side in one run.
 
-    python benchmarks/prefill_speed.py [--model smollm2-135m] [--budget 512] [--repeats 7] [--threads 2]
+    python benchmarks/prefill_speed.py [--model smollm2-135m] [--budget 512] [--repeats 7] [--threads N]
 
 Cases (random token ids from a fixed seed, fp32, CPU):
 
@@ -34,6 +34,7 @@ import torch
 import vasepatch
 from vasepatch.bench.methods import share_weights
 from vasepatch.bench.shapes import load_model
+from vasepatch.threads import default_threads
 
 
 def cases(vocab: int, budget: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -66,7 +67,8 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--threads", type=int, default=2)
+    threads_help = "torch threads (default: $OMP_NUM_THREADS, else the physical cores)"
+    p.add_argument("--threads", type=int, default=default_threads(), help=threads_help)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dense = load_model(args.model, torch.float32, "cpu")

@@ -32,8 +32,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import vasepatch
-from vasepatch.bench.methods import share_weights
+from vasepatch.bench.methods import cache_keyword, share_weights
 from vasepatch.bench.shapes import load_model
+from vasepatch.threads import default_threads
 
 
 @torch.no_grad()
@@ -68,9 +69,12 @@ def main() -> None:
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=32, help="profiled decode steps (fewer than --window)")
-    p.add_argument("--threads", type=int, default=2)
+    threads_help = "torch threads (default: $OMP_NUM_THREADS, else the physical cores)"
+    p.add_argument("--threads", type=int, default=default_threads(), help=threads_help)
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
+    if not 0 < args.steps < args.window:
+        p.error(f"--steps must be in [1, {args.window - 1}] (fewer than --window: no eviction), got {args.steps}")
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     dense = load_model(args.model, torch.float32, "cpu")
@@ -78,7 +82,7 @@ def main() -> None:
 
     from transformers import DynamicCache
 
-    floor_kwargs = {"past_key_values": DynamicCache(config=dense.config)}
+    floor_kwargs = {cache_keyword(dense): DynamicCache(config=dense.config)}
     token = forward(dense, torch.randint(vocab, (b, args.budget), generator=g), floor_kwargs)
 
     def floor_step() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -174,4 +175,6 @@ def write(result: dict[str, Any], out: Path) -> list[Path]:
     paths = save(result, out)
     if result["results"] and importlib.util.find_spec("matplotlib") is not None:  # the `eval` extra brings it
         paths += plot(result, out)
+    elif result["results"]:
+        print('plots skipped: matplotlib is not installed (pip install "vasepatch[eval]")', file=sys.stderr)
     return paths
