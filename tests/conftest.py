@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models of each family, and the real SmolLM2 model."""
+"""Shared fixtures: tiny random models of each family, the bench tests' tiny model, and the real
+SmolLM2 model."""
 
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def make_model():
     """`make_model(family, kv_heads=2, attn="sdpa", seed=0)` -> a tiny fp32 model in eval mode."""
     return tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The bench tests' model (`tests.bench_tiny.TINY`), loaded once per test module."""
+    from tests.bench_tiny import TINY
+    from vasepatch.bench.shapes import load_model
+
+    return load_model(TINY, torch.float32, "cpu")
 
 
 @pytest.fixture(scope="session")

@@ -10,37 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.bench_tiny import TINY, tiny_settings
 from vasepatch import VaSEConfig
 from vasepatch.bench import MethodSpec, Settings, run_benchmark, summarise
 from vasepatch.bench.measure import MIB, eviction_share, sequence_inputs
 from vasepatch.bench.methods import build_method, kvpress_module, share_weights
 from vasepatch.bench.report import markdown
-from vasepatch.bench.shapes import SHAPES, load_model
+from vasepatch.bench.shapes import SHAPES
 from vasepatch.cli import main
 
-TINY = "shape:tiny-qwen3"
 COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "results" / "bench-cpu" / "bench.json"
-
-
-def tiny_settings(**changes) -> Settings:
-    base = dict(
-        model=TINY,
-        cache=VaSEConfig(budget=16, window=4, seed=0),
-        tokens=[16, 32],
-        batch=[1, 2],
-        methods=["dense", "vase"],
-        prompt_len=8,
-        repeats=1,
-        threads=1,
-        isolate="none",
-        progress=False,
-    )
-    return Settings(**{**base, **changes})
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model(TINY, torch.float32, "cpu")
 
 
 def test_cli_end_to_end_writes_json_markdown_and_plots(tmp_path):

@@ -10,40 +10,17 @@ from collections import Counter
 import pytest
 import torch
 
-from vasepatch import VaSEConfig
+from tests.bench_tiny import TINY, tiny_settings
 from vasepatch.bench import MethodSpec, Settings, run_benchmark, summarise
 from vasepatch.bench.measure import MethodRunner, sequence_inputs
 from vasepatch.bench.methods import build_method, share_weights
 from vasepatch.bench.report import markdown
-from vasepatch.bench.shapes import load_model
 from vasepatch.cli import main
 
-TINY = "shape:tiny-qwen3"
 # 2 methods x 2 batch sizes x 2 lengths x 2 repeats = 16 segments, in this process
 ARGV = ["bench", "--model", TINY, "--tokens", "16,32", "--budget", "16", "--window", "4", "--batch", "1,2"]
 ARGV += ["--repeats", "2", "--prompt-len", "8", "--threads", "1", "--methods", "dense,vase", "--isolate", "none"]
 ARGV += ["--no-progress"]
-
-
-def tiny_settings(**changes) -> Settings:
-    base = dict(
-        model=TINY,
-        cache=VaSEConfig(budget=16, window=4, seed=0),
-        tokens=[16, 32],
-        batch=[1, 2],
-        methods=["dense", "vase"],
-        prompt_len=8,
-        repeats=1,
-        threads=1,
-        isolate="none",
-        progress=False,
-    )
-    return Settings(**{**base, **changes})
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model(TINY, torch.float32, "cpu")
 
 
 @pytest.fixture
