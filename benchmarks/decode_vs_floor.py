@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from vasepatch import threads
 from vasepatch.bench.methods import build_method, share_weights
 from vasepatch.bench.settings import MethodSpec, Settings
 from vasepatch.bench.shapes import load_model
-from vasepatch.threads import default_threads
 
 BUDGET, GENERATED, STEPS = 512, 1024, 64
 
@@ -39,8 +39,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
-    threads_help = "torch threads (default: $OMP_NUM_THREADS, else the physical cores)"
-    p.add_argument("--threads", type=int, default=default_threads(), help=threads_help)
+    threads.add_option(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     settings = Settings(tokens=[GENERATED], batch=[args.batch], methods=["dense", "vase"], isolate="none")

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 import vasepatch
+from vasepatch import threads
 from vasepatch.bench.methods import share_weights
 from vasepatch.bench.shapes import load_model
-from vasepatch.threads import default_threads
 
 
 def cases(vocab: int, budget: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -67,8 +67,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--repeats", type=int, default=7)
-    threads_help = "torch threads (default: $OMP_NUM_THREADS, else the physical cores)"
-    p.add_argument("--threads", type=int, default=default_threads(), help=threads_help)
+    threads.add_option(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dense = load_model(args.model, torch.float32, "cpu")

@@ -32,9 +32,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import vasepatch
+from vasepatch import threads
 from vasepatch.bench.methods import cache_keyword, share_weights
 from vasepatch.bench.shapes import load_model
-from vasepatch.threads import default_threads
 
 
 @torch.no_grad()
@@ -69,8 +69,7 @@ def main() -> None:
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=32, help="profiled decode steps (fewer than --window)")
-    threads_help = "torch threads (default: $OMP_NUM_THREADS, else the physical cores)"
-    p.add_argument("--threads", type=int, default=default_threads(), help=threads_help)
+    threads.add_option(p)
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
     if not 0 < args.steps < args.window:
