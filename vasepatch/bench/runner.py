@@ -40,7 +40,8 @@ def run_benchmark(
 
     `model` (in-process runs only) skips loading `settings.model`. `previous` (a `bench.json`
     of the same settings) resumes it: its segments and warm-ups are kept and not run again.
-    `save(result)` is called with the result so far after every warm-up and timed segment.
+    `save(result)` is called with the result so far after every warm-up and timed segment; the
+    complete result is returned (the caller writes it: `vasepatch bench` through `report.write`).
     """
     if model is not None and settings.isolate != "none":
         raise ValueError("run_benchmark(model=...) needs isolate='none' (worker processes load their own model)")
@@ -119,8 +120,6 @@ class Benchmark:
                 proxy.close()
             if self.bar is not None:
                 self.bar.close()
-        if self.save is not None:
-            self.save(self.result(complete=True))
 
     def start_methods(self, names: list[str], shared: torch.nn.Module | None) -> None:
         """Start the methods `names` (worker processes load their models concurrently), then wait for each."""
