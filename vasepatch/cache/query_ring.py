@@ -42,20 +42,18 @@ class QueryRing:
             self._allocate(query)
         q_len = query.shape[-2]
         m = min(q_len, self.window)
-        if torch.compiler.is_compiling():  # the device pointer only; `advance` follows on the host
-            slots = (self.pointer + self.slot_index[:m]) % self.window
+        compiling = torch.compiler.is_compiling()
+        if m == 1 and not compiling:  # one query: a plain copy at the host pointer
+            self.queries.narrow(2, self.host_pointer, 1).copy_(query.narrow(2, q_len - 1, 1))
+            self.valid.narrow(1, self.host_pointer, 1).copy_(valid.narrow(1, q_len - 1, 1))
+        else:
+            start = self.pointer if compiling else self.host_pointer
+            slots = (start + self.slot_index[:m]) % self.window
             self.queries.index_copy_(2, slots, query.narrow(2, q_len - m, m))
             self.valid.index_copy_(1, slots, valid.narrow(1, q_len - m, m))
+        if compiling:  # the device pointer only; `advance` follows on the host, after the graph
             self.pointer.add_(m).remainder_(self.window)
             return
-        p = self.host_pointer
-        if m == 1:
-            self.queries.narrow(2, p, 1).copy_(query.narrow(2, q_len - 1, 1))
-            self.valid.narrow(1, p, 1).copy_(valid.narrow(1, q_len - 1, 1))
-        else:
-            slots = (p + self.slot_index[:m]) % self.window
-            self.queries.index_copy_(2, slots, query.narrow(2, q_len - m, m))
-            self.valid.index_copy_(1, slots, valid.narrow(1, q_len - m, m))
         self.advance(q_len)
         self.pointer.fill_(self.host_pointer)
 
