@@ -136,3 +136,43 @@ def test_loading_hides_the_progress_bars_and_restores_them(tmp_path, make_model,
         assert not hf_logging.is_progress_bar_enabled()  # a setting the caller chose is kept
     finally:
         hf_logging.enable_progress_bar()
+
+
+def test_the_folder_name_holds_the_hash_once_and_the_conversion_format():
+    sha = "a5fd3b62230aa5ec" + "0" * 48
+    assert models.converted_name("gemma-3-270m-q4_k_m-a5fd3b62230aa5ec", sha) == (
+        f"gemma-3-270m-q4_k_m-a5fd3b62230aa5ec-{models.CONVERSION_FORMAT}"
+    )
+    assert models.converted_name("SmolLM2", sha) == f"SmolLM2-a5fd3b62230aa5ec-{models.CONVERSION_FORMAT}"
+
+
+def _installed(name: str) -> bool:
+    try:
+        models._GGUF_SOURCES[name]()
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", models.available())
+def test_a_converted_folder_holds_the_keys_save_pretrained_writes(name, tmp_path):
+    """Other loaders (vLLM) read a tied embedding only under the input embedding's own name: the folder
+    must hold exactly what `save_pretrained` writes for the same model, not `lm_head.weight` alone."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    if not _installed(name):
+        pytest.skip(f"{name} is not installed")
+    folder = models.resolve(name)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.save_pretrained(tmp_path)
+    keys = {}
+    for where in (folder, tmp_path):
+        with safe_open(where / "model.safetensors", "pt") as f:
+            keys[where] = set(f.keys())
+    assert keys[folder] == keys[tmp_path]
+    embedding = "model.embed_tokens.weight"
+    assert embedding in keys[folder]
+    if model.config.tie_word_embeddings:
+        assert "lm_head.weight" not in keys[folder]

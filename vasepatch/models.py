@@ -27,9 +27,9 @@ Registered models (their PyPI packages are located with
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
-import json
 import os
 import re
 import shutil
@@ -184,23 +184,39 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantise `gguf` with transformers and write a plain HF directory to `target`."""
-    from safetensors.torch import save_model
+    """Dequantise `gguf` with transformers and write a plain HF directory to `target`, with
+    `save_pretrained`'s own layout (a tied embedding is stored once, as the input embedding, which is
+    what vLLM and other loaders read)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf.name} to safetensors, once (15-40 s); cached in {target}", file=sys.stderr, flush=True)
     with no_progress_bars():  # transformers' own GGUF de-quantising bar (plain tqdm) still shows
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        plain = unquantized_copy(model)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    model.generation_config.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"))
+    with no_progress_bars():
+        plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     publish(tmp, target)
+
+
+def unquantized_copy(model: Any) -> Any:
+    """The same weights in a model built from the config without its GGUF `quantization_config`
+    (transformers refuses to `save_pretrained` a model loaded from GGUF). The tensors are shared, not
+    copied: the new model is built on the meta device and takes the loaded ones."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    plain.load_state_dict(model.state_dict(), assign=True)
+    plain.tie_weights()
+    plain.generation_config = model.generation_config
+    return plain.eval()
 
 
 def publish(tmp: Path, target: Path) -> None:
@@ -223,6 +239,19 @@ def is_hub_id(name: str) -> bool:
     return bool(_HUB_ID.fullmatch(name)) and ".." not in name
 
 
+# Bumped when the layout of a converted folder changes, so that an older conversion is not reused:
+# "hf2" stores a tied embedding as save_pretrained does (hf1, unnamed, kept only `lm_head.weight`).
+CONVERSION_FORMAT = "hf2"
+
+
+def converted_name(stem: str, sha256: str) -> str:
+    """The cache folder of a GGUF file's conversion: its stem, its hash (once: some stems already end
+    with it) and the conversion format."""
+    key = sha256[:16]
+    base = stem if stem.endswith(key) else f"{stem}-{key}"
+    return f"{base}-{CONVERSION_FORMAT}"
+
+
 def resolve(name_or_path: str | os.PathLike[str]) -> Path | str:
     """A local HF directory for `name_or_path`, converting (once) from GGUF if needed; a
     Hub id (`org/name`) that is not a local folder is returned as it is."""
@@ -242,7 +271,7 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Path | str:
                 f"model {key!r} is neither a registered name ({', '.join(available())}), "
                 "a local Hugging Face directory, a .gguf file, nor a Hugging Face Hub id (org/name)"
             )
-    target = cache_dir() / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
+    target = cache_dir() / converted_name(gguf.stem, file_sha256(gguf))
     if not (target / "model.safetensors").is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         _convert_gguf(gguf, target)
