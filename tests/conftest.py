@@ -13,7 +13,9 @@ import torch
 
 from tests.tiny_models import tiny_model
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One thread: on the 2-core machines two processes of two threads each run many times slower, and tiny ops
+# pay more for the thread pool than they gain. A test that needs more sets its own.
+torch.set_num_threads(1)
 
 
 @pytest.fixture
