@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -127,3 +128,19 @@ def test_arguments(gpu_check):
     assert gpu_check.parse_args(["out", "--long"]).part2 == "long"
     assert gpu_check.parse_args(["out", "--part2", "full"]).part2 == "long"
     assert gpu_check.parse_args(["out", "--part2", "skip"]).part2 == "skip"
+
+
+def test_gpu_check_script_runs_on_cpu(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(PATH), str(tmp_path), "--allow-cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=PATH.parents[1],
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["device"] == "cpu"
+    assert {r["backend"] for r in report["checks"]} >= {"torch_varlen", "flash_attn", "eager"}
+    assert all(r["ok"] for r in report["checks"])
+    assert "| backend |" in (tmp_path / "gpu_check.md").read_text()
