@@ -151,28 +151,9 @@ def test_seed_none_follows_torchs_global_generator_and_reset_draws_anew():
     assert seeded.generation_seed() == 5
 
 
-class LayerKeys:
-    """What the cache's layers will call at each eviction: `rng.for_eviction(plan, round, device)`.
-    Until `VaSELayer._compact` calls it itself, this adapter stands in for its `rng`."""
-
-    def __init__(self, layer, randomness: EvictionRandomness) -> None:
-        self.layer, self.randomness = layer, randomness
-
-    def get(self, device):
-        return self.randomness.for_eviction(self.layer.plan, self.layer.counters.evictions, device)
-
-    def reset(self) -> None:
-        self.randomness.reset()
-
-
 def keyed_cache(config: VaSEConfig, n_layers: int, plans=None) -> VaSECache:
-    """A cache whose layers draw keyed eviction randomness (see `LayerKeys`)."""
-    cache = VaSECache(config, policies.for_config(config), n_layers, plans=plans)
-    randomness = EvictionRandomness(config.seed)
-    for layer in cache.layers:
-        if not hasattr(layer.rng, "for_eviction"):
-            layer.rng = LayerKeys(layer, randomness)
-    return cache
+    """A cache of `n_layers` layers; every layer draws its eviction randomness keyed by (seed, layer, round)."""
+    return VaSECache(config, policies.for_config(config), n_layers, plans=plans)
 
 
 def _run(cache: VaSECache, heads: slice, steps: int, seed: int = 0, hq_per_kv: int = 2):
