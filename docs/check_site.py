@@ -14,7 +14,8 @@ Chromium: no browser download) and fails on
 
 It prints one line per page and exits 1 if any page has a problem. Without Chromium
 (Debian package `chromium`, or `--chromium PATH`) it prints "skipped: chromium not found"
-and exits 0. Needs `pip install -e ".[docs]"` (mkdocs and playwright).
+and exits 0, or exits 1 with `--require-browser` (what CI passes: a check that looked at
+nothing must not pass). Needs `pip install -e ".[docs]"` (mkdocs and playwright).
 """
 
 from __future__ import annotations
@@ -192,10 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chromium", help="path of the Chromium executable (default: chromium on PATH)")
     parser.add_argument("--screenshots", type=Path, help="save full-page PNGs of the home and results pages here")
+    parser.add_argument(
+        "--require-browser", action="store_true", help="fail (exit 1) instead of skipping when Chromium is not found"
+    )
     args = parser.parse_args(argv)
     chromium = find_chromium(args.chromium)
     if chromium is None:
-        print("skipped: chromium not found (install the Debian package `chromium`, or pass --chromium PATH)")
+        missing = "chromium not found (install the Debian package `chromium`, or pass --chromium PATH)"
+        if args.require_browser:
+            print(f"error: {missing}; --require-browser was given", file=sys.stderr)
+            return 1
+        print(f"skipped: {missing}")
         return 0
     try:
         import playwright  # noqa: F401
