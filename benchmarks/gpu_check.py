@@ -94,28 +94,28 @@ def make_setup(device: torch.device, iters: int | None) -> Setup:
     return Setup(device, torch.float32, CPU_SHAPES, 3, 40, 33, 12, iters or 3, 1e-4, True)
 
 
-def masked_decode(kernel: str, query, keys, values, start, end: int, scale: float | None = None) -> torch.Tensor:
+def masked_decode(backend: str, query, keys, values, start, end: int, scale: float | None = None) -> torch.Tensor:
     """The `sdpa`/`eager` backends' decode step: `grouped_attention` over the slots `[start, end)` of each row
     and KV head (the mask the cache builds), reading only the first `end` slots."""
     slots = torch.arange(end, device=keys.device)
     mask = ((slots >= start[..., None]) & (slots < end)).unsqueeze(2)  # [B, Hkv, 1, end]
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return grouped_attention(query, keys[:, :, :end], values[:, :, :end], mask, scale, kernel)
+    return grouped_attention(query, keys[:, :, :end], values[:, :, :end], mask, scale, backend)
 
 
-def masked_prefill(kernel: str, query, key, value, padding, scale: float | None = None) -> torch.Tensor:
+def masked_prefill(backend: str, query, key, value, padding, scale: float | None = None) -> torch.Tensor:
     """The `sdpa`/`eager` backends' prefill: causal + padding mask, zeros at the padding (as the varlen ones)."""
     mask = causal_padding_mask(padding, query.shape[2], query.shape[2], query.device)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    out = grouped_attention(query, key, value, mask, scale, kernel)
+    out = grouped_attention(query, key, value, mask, scale, backend)
     return out if padding is None else out.masked_fill(~padding.bool()[:, :, None, None], 0.0)
 
 
-def _kernels(name: str, setup: Setup) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+def _decode_and_prefill(name: str, setup: Setup) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
     """`(decode, prefill)` of backend `name`, through the CPU stand-ins when `setup.reference_kernels`."""
     if name not in bk.VARLEN_BACKENDS:
         return functools.partial(masked_decode, name), functools.partial(masked_prefill, name)
-    decode, prefill = bk.DECODE[name], bk.PREFILL[name]
+    decode, prefill = bk.VARLEN[name].decode, bk.VARLEN[name].prefill
     if setup.reference_kernels:
         from tests import reference_kernels as ref  # the repository root is on sys.path (above)
 
@@ -134,7 +134,7 @@ def variants(setup: Setup) -> tuple[dict[str, dict[str, Callable[..., torch.Tens
     skipped = {n: bk.unavailable_reason(n, setup.device, setup.dtype) or "" for n in bk.BACKENDS if n not in names}
     out: dict[str, dict[str, Any]] = {}
     for name in names:
-        decode, prefill = _kernels(name, setup)
+        decode, prefill = _decode_and_prefill(name, setup)
         out[name] = {"backend": name, "decode": decode, "prefill": prefill}
         if name == "torch_varlen":  # both decode layouts: seqused_k (if this torch has it) and gap sequences
             kernel = decode.keywords["kernel"] if setup.reference_kernels else torch_varlen.default_kernel()

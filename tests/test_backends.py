@@ -144,8 +144,8 @@ DECODE_VARIANTS = {
 }
 
 PREFILL_VARIANTS = {
-    "torch_varlen": functools.partial(bk.torch_varlen_prefill, kernel=ref.varlen_attn),
-    "flash_attn": functools.partial(bk.flash_attn_prefill, kernel=ref.flash_attn_varlen_func),
+    "torch_varlen": functools.partial(bk.VARLEN["torch_varlen"].prefill, kernel=ref.varlen_attn),
+    "flash_attn": functools.partial(bk.VARLEN["flash_attn"].prefill, kernel=ref.flash_attn_varlen_func),
 }
 
 
@@ -221,7 +221,7 @@ def test_prefill_edge_cases(variant, q_len, padded):
 def test_prefill_reuses_packing():
     query, key, value, padding = _prefill_case(2)
     packing = pack_prompt(padding)
-    out = bk.torch_varlen_prefill(query, key, value, padding, kernel=ref.varlen_attn, packing=packing)
+    out = bk.VARLEN["torch_varlen"].prefill(query, key, value, padding, kernel=ref.varlen_attn, packing=packing)
     assert torch.allclose(out, ref.masked_prefill(query, key, value, padding), atol=ATOL)
 
 
@@ -270,7 +270,7 @@ def _check_varlen_kernel(kernel) -> None:
     out = bk.torch_varlen_decode(query, keys, values, start, end, 0.2, kernel=kernel)
     assert torch.allclose(out, ref.masked_decode(query, keys, values, start, end, 0.2), atol=ATOL)
     query, key, value, padding = _prefill_case(4)
-    out = bk.torch_varlen_prefill(query, key, value, padding, 0.2, kernel=kernel)
+    out = bk.VARLEN["torch_varlen"].prefill(query, key, value, padding, 0.2, kernel=kernel)
     assert torch.allclose(out, ref.masked_prefill(query, key, value, padding, 0.2), atol=ATOL)
 
 
@@ -326,7 +326,8 @@ def test_real_torch_varlen_kernel_accepts_the_arguments():
     for use_seqused in (None, False):
         out = bk.torch_varlen_decode(query, keys, keys, start, 9, use_seqused=use_seqused)
         assert out.shape == (2, 1, 4, 16) and out.device.type == "meta"
-    out = bk.torch_varlen_prefill(torch.empty(2, 4, 5, 16, **meta), *(torch.empty(2, 2, 5, 16, **meta),) * 2, None)
+    key = torch.empty(2, 2, 5, 16, **meta)
+    out = bk.VARLEN["torch_varlen"].prefill(torch.empty(2, 4, 5, 16, **meta), key, key, None)
     assert out.shape == (2, 5, 4, 16)
 
 
@@ -480,6 +481,11 @@ def test_choose_backend_without_varlen(recwarn):
     assert bk.choose_backend(None, [], torch.float32, 12) == "sdpa"  # no varlen backend here: nothing to warn
     assert bk.choose_backend("eager", ["cpu", torch.device("cpu")], torch.float32, 264) == "eager"
     assert not [w for w in recwarn if "head_dim" in str(w.message)]
+
+
+def test_one_record_per_varlen_backend():
+    """`VARLEN` (the records) and `availability.VARLEN_BACKENDS` (the names) list the same backends, in order."""
+    assert tuple(bk.VARLEN) == bk.VARLEN_BACKENDS
 
 
 def test_dispatch():

@@ -43,7 +43,7 @@ def _decode_inputs(hq: int, hkv: int, per_row_end: bool, seed: int = 0, b: int =
 
 
 def _decoders(backend: str) -> dict[str, functools.partial]:
-    fn = bk.DECODE[backend]
+    fn = bk.VARLEN[backend].decode
     if backend != "torch_varlen":
         return {backend: functools.partial(fn)}
     out = {"gaps": functools.partial(fn, use_seqused=False)}
@@ -83,7 +83,7 @@ def test_prefill_matches_reference_bf16(backend, hq, hkv, padded):
     key, value = (torch.randn(b, hkv, q_len, d, dtype=DTYPE, **kw) for _ in range(2))
     expected = ref.masked_prefill(query, key, value, padding)
     with torch.no_grad():
-        out = bk.PREFILL[backend](query, key, value, padding)
+        out = bk.VARLEN[backend].prefill(query, key, value, padding)
     diff = (out.float() - expected.float()).abs().max().item()
     print(f"{backend} prefill hq={hq} hkv={hkv} padded={padded}: max |diff| {diff:.2e}")
     assert diff < TOL
@@ -99,7 +99,7 @@ def test_decode_compiles_fullgraph_on_cuda(backend):
     counters.clear()
     cc = CompileCounter()
     with torch.no_grad():
-        out = torch.compile(bk.DECODE[backend], backend=cc, fullgraph=True)(*args)
+        out = torch.compile(bk.VARLEN[backend].decode, backend=cc, fullgraph=True)(*args)
     assert cc.frame_count == 1 and not counters["graph_break"]
     assert (out.float() - ref.masked_decode(*args).float()).abs().max().item() < TOL
 

@@ -10,7 +10,7 @@ views rather than einops (whose per-call parsing costs show up here).
 Logit soft-capping (Gemma2: `cap * tanh(scores / cap)` before the mask) and
 learned attention sinks (gpt-oss: one extra logit per query head that joins the
 softmax and is then dropped) exist only in the eager math path (`grouped_probs`);
-`grouped_attention` routes a call that has either to it, whatever `kernel` says,
+`grouped_attention` routes a call that has either to it, whatever `backend` says,
 since SDPA can do neither.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from packaging.version import Version
 
-KERNELS = ("sdpa", "eager")
+MASKED_BACKENDS = ("sdpa", "eager")  # the backends that attend here, under the cache's mask
 _HAS_GQA = Version(torch.__version__.split("+")[0]) >= Version("2.5")  # SDPA's enable_gqa
 
 
@@ -75,19 +75,19 @@ def grouped_attention(
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float,
-    kernel: str = "sdpa",
+    backend: str = "sdpa",
     dropout: float = 0.0,
     *,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Masked softmax attention with GQA by grouping; `kernel` is `"sdpa"` or `"eager"`
+    """Masked softmax attention with GQA by grouping; `backend` is `"sdpa"` or `"eager"`
     (`softcap` or `sinks` given: always the eager math path). `mask=None`: every query sees
     every key (a decode step over slots that are all visible)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if backend not in MASKED_BACKENDS:
+        raise ValueError(f"backend must be one of {MASKED_BACKENDS}, got {backend!r}")
     q, m = _group(query, mask, key.shape[1])
-    if kernel == "sdpa" and softcap is None and sinks is None:
+    if backend == "sdpa" and softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=m, dropout_p=dropout, scale=scaling)
     else:
         probs = grouped_probs(q, key, m, scaling, query.shape[-2], softcap, sinks)

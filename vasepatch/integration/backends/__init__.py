@@ -13,17 +13,17 @@ Backends (`BACKENDS`, in `auto` order; `availability` says which can run where):
 The two varlen backends (`VARLEN_BACKENDS`) need each row and KV head's
 attendable slots to be one contiguous range, which the cache guarantees, and
 a head dim that is a multiple of 8 and at most 256 (`auto` falls back to `sdpa`
-otherwise, with a warning; see `choose_backend`). They are reached through two
-calls, both returning the `[B, Q, Hq, D]` layout transformers' attention modules
-expect (GQA: query heads `h*G .. h*G+G-1`
-share KV head `h`):
+otherwise, with a warning; see `choose_backend`). Each is one `VarlenBackend`
+record in `VARLEN` (its decode step, and its prefill), reached through two calls,
+both returning the `[B, Q, Hq, D]` layout transformers' attention modules
+expect (GQA: query heads `h*G .. h*G+G-1` share KV head `h`):
 
 * `decode_attention(backend, query [B, Hq, 1, D], keys [B, Hkv, C, D], values, start [B, Hkv], end, scale)`:
   one new token per row; row `b`, KV head `h` attends to the contiguous slots
   `[start[b, h], end)` (`end`: an int, a 0-d or a `[B]` tensor).
 * `prefill_attention(backend, query [B, Hq, Q, D], key [B, Hkv, Q, D], value, padding [B, Q] | None, scale)`:
   causal attention within a left-padded prompt (True = real token), zeros at
-  the padding positions.
+  the padding positions; `packing=` reuses a `pack_prompt` result.
 
 Each takes its kernel as an injectable callable with the real kernel's
 signature (`kernel=`, default: the CUDA kernel), so the packing can be tested on
@@ -32,10 +32,11 @@ CPU against naive stand-ins (`tests/reference_kernels.py`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from vasepatch.integration.backends import flash_attn, torch_varlen
 from vasepatch.integration.backends.availability import (
     BACKENDS,
     HALF_DTYPES,
@@ -47,85 +48,52 @@ from vasepatch.integration.backends.availability import (
     resolve_backend,
     unavailable_reason,
 )
-from vasepatch.integration.backends.common import Kernel
-from vasepatch.integration.backends.flash_attn import flash_attn_decode, flash_attn_prefill
-from vasepatch.integration.backends.torch_varlen import (
-    VarlenSpec,
-    torch_varlen_decode,
-    torch_varlen_prefill,
-    varlen_spec,
-)
-from vasepatch.integration.varlen import PackedPrompt
+from vasepatch.integration.backends.common import Kernel, VarlenBackend
+from vasepatch.integration.backends.flash_attn import flash_attn_decode
+from vasepatch.integration.backends.torch_varlen import VarlenSpec, torch_varlen_decode, varlen_spec
 
 __all__ = [
     "BACKENDS",
-    "DECODE",
     "HALF_DTYPES",
-    "PREFILL",
+    "VARLEN",
     "VARLEN_BACKENDS",
     "VARLEN_MAX_HEAD_DIM",
     "Kernel",
+    "VarlenBackend",
     "VarlenSpec",
     "available_backends",
     "choose_backend",
     "decode_attention",
     "flash_attn_decode",
-    "flash_attn_prefill",
     "head_dim_problem",
     "prefill_attention",
     "resolve_backend",
     "torch_varlen_decode",
-    "torch_varlen_prefill",
     "unavailable_reason",
     "varlen_spec",
 ]
 
-DECODE: dict[str, Callable[..., torch.Tensor]] = {
-    "flash_attn": flash_attn_decode,
-    "torch_varlen": torch_varlen_decode,
-}
-PREFILL: dict[str, Callable[..., torch.Tensor]] = {
-    "flash_attn": flash_attn_prefill,
-    "torch_varlen": torch_varlen_prefill,
-}
+VARLEN: dict[str, VarlenBackend] = {b.name: b for b in (flash_attn.BACKEND, torch_varlen.BACKEND)}
 
 
-def _lookup(table: dict[str, Callable[..., torch.Tensor]], backend: str) -> Callable[..., torch.Tensor]:
-    if backend in table:
-        return table[backend]
+def _varlen(backend: str) -> VarlenBackend:
+    if backend in VARLEN:
+        return VARLEN[backend]
     if backend in BACKENDS:
         raise ValueError(
             f"attn_backend={backend!r} has no varlen kernel: decode_attention and prefill_attention serve "
-            f"{', '.join(VARLEN_BACKENDS)} only ({backend} attends with kernels.grouped_attention and the cache's mask)"
+            f"{', '.join(VARLEN)} only ({backend} attends with kernels.grouped_attention and the cache's mask)"
         )
     raise ValueError(f"attn_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
-def decode_attention(
-    backend: str,
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: torch.Tensor,
-    end: int | torch.Tensor,
-    scale: float | None = None,
-    *,
-    kernel: Kernel | None = None,
-) -> torch.Tensor:
-    """`[B, 1, Hq, D]`: one new token per row over slots `[start, end)` with a varlen `backend`."""
-    return _lookup(DECODE, backend)(query, keys, values, start, end, scale, kernel=kernel)
+def decode_attention(backend: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """`[B, 1, Hq, D]`: one new token per row over the slots `[start, end)`, with the varlen
+    `backend`'s `decode` (arguments: see the module docstring)."""
+    return _varlen(backend).decode(*args, **kwargs)
 
 
-def prefill_attention(
-    backend: str,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    padding: torch.Tensor | None,
-    scale: float | None = None,
-    *,
-    kernel: Kernel | None = None,
-    packing: PackedPrompt | None = None,
-) -> torch.Tensor:
-    """`[B, Q, Hq, D]`: causal attention within the (left-padded) prompt with a varlen `backend`, zeros at padding."""
-    return _lookup(PREFILL, backend)(query, key, value, padding, scale, kernel=kernel, packing=packing)
+def prefill_attention(backend: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """`[B, Q, Hq, D]`: causal attention within the (left-padded) prompt, zeros at the padding, with
+    the varlen `backend`'s `prefill` (arguments: see the module docstring)."""
+    return _varlen(backend).prefill(*args, **kwargs)

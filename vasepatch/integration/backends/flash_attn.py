@@ -13,7 +13,7 @@
   `flash_attn_varlen_func` was the other candidate: its public signature has
   no `seqused_k`.
 * Prefill: `flash_attn_varlen_func(..., causal=True)` on the unpadded prompt
-  tokens (GQA native).
+  tokens (GQA native): `BACKEND.prefill`, through `varlen_call`.
 
 Both take the kernel as an injectable callable with flash-attn's signature;
 the op has no CPU kernel here (a test can register one for it).
@@ -23,14 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from vasepatch.integration.backends.common import (
-    Kernel,
-    decode_shapes,
-    packed_prefill,
-    softmax_scale,
-    ungroup_decode,
-)
-from vasepatch.integration.varlen import PackedPrompt, end_per_row
+from vasepatch.integration.backends.common import Kernel, VarlenBackend, decode_shapes, softmax_scale, ungroup_decode
+from vasepatch.integration.varlen import end_per_row
 
 OP_NAME = "vasepatch::flash_attn_kvcache"
 
@@ -106,21 +100,21 @@ def flash_attn_decode(
     return ungroup_decode(out, b, hq, d)
 
 
-def flash_attn_prefill(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    padding: torch.Tensor | None,
-    scale: float | None = None,
-    *,
-    kernel: Kernel | None = None,
-    packing: PackedPrompt | None = None,
+def varlen_call(
+    kernel: Kernel | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+    causal: bool,
 ) -> torch.Tensor:
-    """Causal prefill with `flash_attn_varlen_func(causal=True)` on the unpadded tokens (GQA native)."""
+    """`flash_attn_varlen_func` (or `kernel`, with its signature) over packed sequences."""
     kernel = default_varlen_kernel() if kernel is None else kernel
-    s = softmax_scale(scale, query.shape[-1])
+    return kernel(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal)
 
-    def call(q, k, v, p: PackedPrompt) -> torch.Tensor:
-        return kernel(q, k, v, p.cu_seqlens, p.cu_seqlens, p.max_len, p.max_len, softmax_scale=s, causal=True)
 
-    return packed_prefill(call, query, key, value, padding, packing)
+BACKEND = VarlenBackend("flash_attn", decode=flash_attn_decode, varlen_call=varlen_call)

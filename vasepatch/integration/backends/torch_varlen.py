@@ -12,7 +12,7 @@ keywords changed between releases (2.10: `is_causal`, always `D**-0.5`; 2.11+:
   records, since `seqused_k` is inference-only): the gaps between the valid
   ranges become sequences with no queries, which the kernel skips.
 * Prefill: causal (`window_size=(-1, 0)`, or `is_causal=True` on torch 2.10) on
-  the unpadded prompt tokens, GQA native.
+  the unpadded prompt tokens, GQA native: `BACKEND.prefill`, through `varlen_call`.
 
 Both take the kernel as an injectable callable with `varlen_attn`'s signature
 (default: `default_kernel()`, the CUDA kernel), so the packing can run on CPU
@@ -27,14 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vasepatch.integration.backends.common import (
-    Kernel,
-    decode_shapes,
-    packed_prefill,
-    softmax_scale,
-    ungroup_decode,
-)
-from vasepatch.integration.varlen import PackedPrompt, decode_gaps, decode_seqused
+from vasepatch.integration.backends.common import Kernel, VarlenBackend, decode_shapes, softmax_scale, ungroup_decode
+from vasepatch.integration.varlen import decode_gaps, decode_seqused
 
 
 class VarlenSpec(NamedTuple):
@@ -72,8 +66,8 @@ def prepare() -> None:
     varlen_spec(default_kernel())
 
 
-def _varlen_call(
-    kernel: Kernel,
+def varlen_call(
+    kernel: Kernel | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -85,7 +79,8 @@ def _varlen_call(
     causal: bool,
     seqused_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Call a `varlen_attn` of any torch release with the keywords it knows."""
+    """Call a `varlen_attn` of any torch release (`kernel`, None for torch's) with the keywords it knows."""
+    kernel = default_kernel() if kernel is None else kernel
     spec = varlen_spec(kernel)
     kwargs: dict[str, Any] = {}
     if spec.scale:
@@ -131,29 +126,12 @@ def torch_varlen_decode(
     if use_seqused:
         cu_k, used = decode_seqused(start, end, cap)
         cu_q = torch.arange(n + 1, dtype=torch.int32, device=query.device) * g
-        out = _varlen_call(kernel, q, k, v, cu_q, cu_k, g, cap, s, False, used)
+        out = varlen_call(kernel, q, k, v, cu_q, cu_k, g, cap, s, False, used)
     else:
         cu_q, cu_k = decode_gaps(start, end, cap, g)
         per_row = isinstance(end, torch.Tensor) and end.dim() > 0
-        out = _varlen_call(kernel, q, k, v, cu_q, cu_k, g, 2 * cap if per_row else cap, s, False)
+        out = varlen_call(kernel, q, k, v, cu_q, cu_k, g, 2 * cap if per_row else cap, s, False)
     return ungroup_decode(out, b, hq, d)
 
 
-def torch_varlen_prefill(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    padding: torch.Tensor | None,
-    scale: float | None = None,
-    *,
-    kernel: Kernel | None = None,
-    packing: PackedPrompt | None = None,
-) -> torch.Tensor:
-    """Causal prefill with torch's varlen kernel on the unpadded tokens; `packing` from `pack_prompt` (reusable)."""
-    kernel = default_kernel() if kernel is None else kernel
-    s = softmax_scale(scale, query.shape[-1])
-
-    def call(q, k, v, p: PackedPrompt) -> torch.Tensor:
-        return _varlen_call(kernel, q, k, v, p.cu_seqlens, p.cu_seqlens, p.max_len, p.max_len, s, True)
-
-    return packed_prefill(call, query, key, value, padding, packing)
+BACKEND = VarlenBackend("torch_varlen", decode=torch_varlen_decode, varlen_call=varlen_call)
