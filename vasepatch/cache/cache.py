@@ -50,6 +50,17 @@ class VaSECache(Cache):
         layers = [VaSELayer(config, policy, rng, c, plan) for c, plan in zip(counters, plans, strict=True)]
         super().__init__(layers=layers)
         self.config = config
+        self.owner: str | None = None
+        """The patch that made this cache (`PatchHandle.new_cache` sets it; None: made by hand)."""
+        self.broken: str | None = None
+        """Set when a step failed after some layers had completed it: the layers then hold
+        different tokens, and the cache refuses to run until `reset`."""
+
+    def reset(self) -> None:
+        """A new generation on the same cache: every count starts over; the buffers are kept, and
+        re-allocated at the next step if its batch, dtype or device differs."""
+        super().reset()
+        self.broken = None
 
     def complete_step(self) -> int:
         """Host-side bookkeeping of a compiled forward, run eagerly after it (the patched

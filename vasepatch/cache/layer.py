@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from vasepatch.cache import eviction, schedule, sliding, writes
+from vasepatch.cache import eviction, reuse, schedule, sliding, writes
 from vasepatch.cache.counters import LayerCounters
 from vasepatch.cache.fixed_batch import FixedBatchLayer
 from vasepatch.cache.plan import LayerPlan
 from vasepatch.cache.query_ring import QueryRing
 from vasepatch.cache.randomness import EvictionRandomness
-from vasepatch.cache.static import mark_static
+from vasepatch.cache.static import mark_static, outside_inference_mode
 from vasepatch.cache.step import Step, overflow_step
 from vasepatch.config import VaSEConfig
 from vasepatch.policies.base import Policy
@@ -88,6 +88,7 @@ class VaSELayer(FixedBatchLayer):
         self.padded = False  # a step came with a padding mask: slots may hold padding (sticky until reset)
 
     # --- allocation -------------------------------------------------------------------------
+    @outside_inference_mode
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         cfg = self.config
         b, h, q_len, _ = key_states.shape
@@ -101,6 +102,7 @@ class VaSELayer(FixedBatchLayer):
         self.is_initialized = True
         mark_static(self.next_position, self.fill, self.seen)
 
+    @outside_inference_mode
     def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
         """(Re)allocate the buffers with `capacity` slots, keeping the occupied ones."""
         b, h, dev = self.batch_size, self.num_heads, self.device
@@ -139,6 +141,7 @@ class VaSELayer(FixedBatchLayer):
         """Add a step's `Q` new tokens (keys after RoPE, `[B, Hkv, Q, D]`); `padding` is the
         2-D mask (`[B, >= Q]`, last `Q` columns for these tokens; 1 = real) or None.
         Returns what the step's queries attend over."""
+        reuse.refit(self, key_states)  # eagerly: a used layer refuses other inputs; a reset one re-allocates
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q_len, w = key_states.shape[-2], self.plan.sliding_window
@@ -214,19 +217,22 @@ class VaSELayer(FixedBatchLayer):
         return self._settle(q_len, None) if q_len else False
 
     def _settle(self, q_len: int, overflow: Step | None) -> bool:
-        c, cfg = self.counters, self.config
-        first = c.tokens_seen == 0
+        """Evict if due, then count the step (the host counters change only once it has succeeded)."""
+        c, evicts = self.counters, overflow is not None or self.due(q_len)
+        if evicts:  # an overflow step's tokens are in its temporaries, the others in the buffer
+            src, n = (overflow, overflow.length) if overflow is not None else (self, c.occupancy + q_len)
+            self._compact(src.keys, src.values, src.positions, src.valid, n)
+        else:
+            c.occupancy += q_len
         c.tokens_seen += q_len
-        if overflow is not None:
-            self._compact(overflow.keys, overflow.values, overflow.positions, overflow.valid, overflow.length)
-            return True
-        c.occupancy += q_len
-        due = self.evicts and schedule.evict_now(
-            self.budget, cfg.window, self.capacity, c.occupancy, first_step=first, prefill=self.prefill
+        return evicts
+
+    def due(self, q_len: int) -> bool:
+        """Whether a step of `q_len` tokens written into the buffer ends with an eviction."""
+        occupancy, first = self.counters.occupancy + q_len, self.counters.tokens_seen == 0
+        return self.evicts and schedule.evict_now(
+            self.budget, self.config.window, self.capacity, occupancy, first_step=first, prefill=self.prefill
         )
-        if due:
-            self._compact(self.keys, self.values, self.positions, self.valid, c.occupancy)
-        return due
 
     def tokens_until_eviction(self) -> int:
         """How many tokens can be appended before the next eviction, counting the token whose

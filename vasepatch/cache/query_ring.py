@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vasepatch.cache.static import mark_static
+from vasepatch.cache.static import mark_static, outside_inference_mode
 
 
 class QueryRing:
@@ -26,6 +26,7 @@ class QueryRing:
         self.slot_index: torch.Tensor | None = None
         self.host_pointer = 0  # = `pointer`, on the host
 
+    @outside_inference_mode
     def _allocate(self, query: torch.Tensor) -> None:
         b, hq, _, d = query.shape
         dev, w = query.device, self.window
@@ -70,6 +71,28 @@ class QueryRing:
         if self.queries is not None:
             for t in (self.queries, self.valid):
                 t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def save(self, q_len: int) -> tuple | None:
+        """Eagerly, what a write of `q_len` queries will overwrite (None: the ring is not allocated)."""
+        if self.queries is None:
+            return None
+        slots = (self.host_pointer + torch.arange(min(q_len, self.window), device=self.queries.device)) % self.window
+        return self.host_pointer, slots, self.queries.index_select(2, slots), self.valid.index_select(1, slots)
+
+    def restore(self, saved: tuple | None) -> None:
+        """Undo the writes since `save` returned `saved`."""
+        if saved is None:
+            self.release()
+            return
+        self.host_pointer, slots, queries, valid = saved
+        self.queries.index_copy_(2, slots, queries)
+        self.valid.index_copy_(1, slots, valid)
+        self.pointer.fill_(self.host_pointer)
+
+    def release(self) -> None:
+        """Drop the buffers (allocated again, for the next write's shape, at that write)."""
+        self.queries = self.valid = self.pointer = self.slot_index = None
+        self.host_pointer = 0
 
     def reset(self) -> None:
         if self.queries is not None:

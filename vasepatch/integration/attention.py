@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from vasepatch.cache import Step, VaSECache, VaSELayer
+from vasepatch.cache import Step, VaSECache, VaSELayer, reuse
 from vasepatch.cache.cache import OUTSIDE, PATCHED_CALL
 from vasepatch.integration import backends
 from vasepatch.integration.kernels import (
@@ -181,11 +182,14 @@ def attention_with_weights(
     first eviction slot `s` holds sequence position `s`, so they equal transformers' eager
     weights; after it, column `s` is whatever token slot `s` holds."""
     step = layer.append(key, value, padding)
-    n = step.length
-    keys, values = step.keys[:, :, :n], step.values[:, :, :n]
-    out, probs = eager_attention_with_weights(query, keys, values, step.mask(), scaling, softcap=softcap, sinks=sinks)
-    layer.record_queries(query, step)
-    layer.evict_if_due(step)
+    with _undo_on_error(layer, step):
+        n = step.length
+        keys, values = step.keys[:, :, :n], step.values[:, :, :n]
+        out, probs = eager_attention_with_weights(
+            query, keys, values, step.mask(), scaling, softcap=softcap, sinks=sinks
+        )
+        layer.record_queries(query, step)
+        layer.evict_if_due(step)
     return out, probs
 
 
@@ -210,10 +214,17 @@ def attention_step(
     2-D mask (`[B, >= Q]`, 1 = real token) or None; `softcap` (logit soft-capping) and
     `sinks` (`[Hq]` learned sink logits) as the model's attention module passes them."""
     step = layer.append(key, value, padding)
-    out = attend(backend, query, key, value, step, scaling, softcap=softcap, sinks=sinks)
-    layer.record_queries(query, step)
-    evicted = layer.evict_if_due(step)
+    with _undo_on_error(layer, step):
+        out = attend(backend, query, key, value, step, scaling, softcap=softcap, sinks=sinks)
+        layer.record_queries(query, step)
+        evicted = layer.evict_if_due(step)
     return out, evicted
+
+
+def _undo_on_error(layer: VaSELayer, step: Step) -> AbstractContextManager[None]:
+    """Eagerly, the rest of a step puts the layer back as it was if it fails (a `PolicyOutputError`
+    at the eviction, an error in the kernel): `vasepatch.cache.reuse`. Compiled: nothing."""
+    return nullcontext() if torch.compiler.is_compiling() else reuse.undo_on_error(layer, step)
 
 
 def attend(

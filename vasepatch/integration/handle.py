@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -155,6 +156,9 @@ class PatchHandle:
         self.shard = shard or Sharding(1, 0, layout.num_kv_heads, layout.num_kv_heads)
         """Which KV heads this process holds (tensor parallelism splits them over ranks)."""
         self.monitor = CacheMonitor()
+        self.cache_owner = uuid.uuid4().hex
+        """Marks the caches this patch makes (`VaSECache.owner`): a cache of another model, or of
+        an earlier patch of this one, is refused at its first use (`wrappers.check_cache`)."""
         self.cache_keyword = _cache_keyword(model)
         """The keyword under which the model takes a cache: `"cache"` (recent transformers)
         or `"past_key_values"` (older 5.x releases)."""
@@ -169,10 +173,13 @@ class PatchHandle:
         """
         n_layers = len(self.layout.attention_modules)
         if config is None:
-            return VaSECache(self.config, self.policy, n_layers, self.monitor, self.layout.layer_plans())
-        if not isinstance(config, VaSEConfig):
+            cache = VaSECache(self.config, self.policy, n_layers, self.monitor, self.layout.layer_plans())
+        elif not isinstance(config, VaSEConfig):
             raise ValueError(f"config must be a vasepatch.VaSEConfig, got {type(config).__name__}")
-        return VaSECache(config, policy_for(config), n_layers, plans=self.layout.layer_plans())
+        else:
+            cache = VaSECache(config, policy_for(config), n_layers, plans=self.layout.layer_plans())
+        cache.owner = self.cache_owner
+        return cache
 
     def stats(self) -> dict[str, int]:
         """Counters of the most recent generation (the most recently started one, when
@@ -217,7 +224,8 @@ class PatchHandle:
             self.remove()
 
     def __getstate__(self) -> dict[str, Any]:
-        """A copy gets its own statistics (none yet); the policy is rebuilt from the config."""
+        """A copy gets its own statistics (none yet) and caches (the original's caches are another
+        model's); the policy is rebuilt from the config."""
         state = self.__dict__.copy()
         state["policy"] = None
         state["monitor"] = CacheMonitor()
@@ -226,6 +234,7 @@ class PatchHandle:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.policy = policy_for(self.config)
+        self.cache_owner = uuid.uuid4().hex
 
     def __repr__(self) -> str:
         c = self.config

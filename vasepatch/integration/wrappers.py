@@ -16,6 +16,7 @@ replaced at call time (`handle.original_method`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -91,12 +92,68 @@ class BaseForward:
             if not live:  # unpatched since this wrapper was looked up
                 return original(*args, **kwargs)
             if isinstance(cache, VaSECache):
+                check_cache(self.state.handle, cache)
                 check_vase_call(self.state.handle)
             token = PATCHED_CALL.set(cache)
+            seen = _tokens_seen(cache)
             try:
                 return original(*args, **kwargs)
+            except BaseException as err:
+                if _tokens_seen(cache) != seen:  # some layers completed the step, others did not
+                    cache.broken = f"{type(err).__name__}: {err}"
+                raise
             finally:
                 PATCHED_CALL.reset(token)
+
+
+def _tokens_seen(cache: Any) -> list[int] | None:
+    """Each layer's token count of a `VaSECache` (None for any other cache)."""
+    return [layer.counters.tokens_seen for layer in cache.layers] if isinstance(cache, VaSECache) else None
+
+
+def check_cache(handle: PatchHandle, cache: VaSECache) -> None:
+    """Refuse, before any work, a `VaSECache` this patched model cannot run: one left broken by a
+    failed step, or one made for another model (its layers, their plans, KV heads or head size
+    differ) or by another patch (another model's, or an earlier patch of this model)."""
+    if cache.broken is not None:
+        raise RuntimeError(
+            f"this VaSECache was left part-way through a step by an error ({cache.broken[:200]}): its layers hold "
+            "different tokens; call cache.reset() or make a new cache with handle.new_cache()"
+        )
+    if cache.owner is not None and cache.owner == handle.cache_owner:
+        return
+    fix = "make the cache with this model's handle.new_cache()"
+    layout, n = handle.layout, len(cache.layers)
+    if n != len(layout.attention_modules):
+        raise ValueError(f"this VaSECache has {n} layers and this model {len(layout.attention_modules)}: {fix}")
+    for ours, theirs in zip(layout.layer_plans(), (layer.plan for layer in cache.layers), strict=True):
+        if ours.sliding_window != theirs.sliding_window:  # worded as the kernel's own check (`attention`)
+            raise ValueError(
+                f"decoder layer {ours.index} attends with sliding_window={ours.sliding_window}, but its vasepatch "
+                f"layer plan has sliding_window={theirs.sliding_window} in this VaSECache: {fix}"
+            )
+        if ours != theirs:
+            raise ValueError(f"this VaSECache's layer plan {theirs} differs from this model's {ours}: {fix}")
+    if cache.owner is not None:
+        raise ValueError(
+            f"this VaSECache was made by another patch (of another model, or an earlier patch of this one; "
+            f"{_settings_diff(cache.config, handle.config)}): {fix}"
+        )
+    shapes = {(layer.num_heads, layer.keys.shape[-1]) for layer in cache.layers if layer.is_initialized}
+    if shapes - {(handle.shard.kv_heads, layout.head_dim)}:
+        raise ValueError(
+            f"this VaSECache holds (KV heads, head size) {sorted(shapes)}, and this model has "
+            f"{(handle.shard.kv_heads, layout.head_dim)}: {fix}"
+        )
+
+
+def _settings_diff(cache: Any, ours: Any) -> str:
+    changed = [
+        f"{f.name}={getattr(cache, f.name)!r} there, {getattr(ours, f.name)!r} here"
+        for f in dataclasses.fields(ours)
+        if getattr(cache, f.name) != getattr(ours, f.name)
+    ]
+    return "settings " + ", ".join(changed) if changed else "the same settings"
 
 
 def check_vase_call(handle: PatchHandle) -> None:
@@ -139,13 +196,15 @@ class PrepareCache:
     def __call__(self, generation_config: Any, model_kwargs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         handle = self.handle
         user_cache = find_cache(model_kwargs)
-        if getattr(generation_config, "prefill_chunk_size", None) and handle.config.prefill == "keep":
+        config = user_cache.config if isinstance(user_cache, VaSECache) else handle.config
+        if getattr(generation_config, "prefill_chunk_size", None) and config.prefill == "keep":
             raise ValueError(
                 "prefill_chunk_size cannot be used with prefill='keep': that buffer is sized by the first "
                 "step, so a chunked prompt would not be kept whole; use prefill='compress' (the default)"
             )
         if isinstance(user_cache, VaSECache):
-            check_unused(user_cache, model_kwargs)
+            check_cache(handle, user_cache)
+            check_unused(user_cache, model_kwargs, generation_config)
         wants_default = generation_config.cache_implementation in (None, "dynamic")
         if user_cache is None and generation_config.use_cache is not False and wants_default:
             model_kwargs[handle.cache_keyword] = handle.new_cache()
@@ -154,14 +213,25 @@ class PrepareCache:
         return original(generation_config, model_kwargs, *args, **kwargs)
 
 
-def check_unused(cache: VaSECache, model_kwargs: dict[str, Any]) -> None:
+def input_length(model_kwargs: dict[str, Any], generation_config: Any) -> int | None:
+    """The length of generate's input: its 2-D mask, or, where transformers dropped an all-ones mask
+    (5.24 and later), the length it recorded (`_mask_length`), or the input embeddings'."""
+    mask, embeds = model_kwargs.get("attention_mask"), model_kwargs.get("inputs_embeds")
+    if mask is not None:
+        return mask.shape[-1]
+    recorded = getattr(generation_config, "_mask_length", None)
+    if isinstance(recorded, int):
+        return recorded
+    return embeds.shape[1] if embeds is not None else None
+
+
+def check_unused(cache: VaSECache, model_kwargs: dict[str, Any], generation_config: Any = None) -> None:
     """A used cache may only continue its own sequence: the input must hold more tokens than
     the cache has seen (transformers then feeds only the new ones)."""
     seen = cache.tokens_seen()
     if not seen:
         return
-    mask, embeds = model_kwargs.get("attention_mask"), model_kwargs.get("inputs_embeds")
-    length = mask.shape[-1] if mask is not None else embeds.shape[1] if embeds is not None else None
+    length = input_length(model_kwargs, generation_config)
     if length is None or length <= seen:
         raise ValueError(
             f"this VaSECache already holds {seen} tokens (a previous generation), and the input has "

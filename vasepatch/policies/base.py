@@ -85,6 +85,14 @@ class Policy:
         self.check_output = check_output
         self.shared_heads = shared_heads
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles take the options as a plain dict (a read-only mapping is neither
+        copyable nor picklable), so a cache holding a policy can be deep-copied and pickled."""
+        return {**self.__dict__, "options": dict(self.options)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, options=MappingProxyType(state["options"]))
+
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         shared = ", shared_heads=True" if self.shared_heads else ""
