@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from property_tests.strategies import PolicyCase, policy_cases
-from vasepatch import policies
-from vasepatch.policies import base
+from vasepatch import VaSEConfig, policies
+from vasepatch.policies import base, scoring
 
 
 def _build(name: str, case: PolicyCase, **extra):
@@ -176,3 +176,36 @@ def test_keep_frequency_rises_with_attention():
     rank_freq = counts.argsort().argsort().float()
     rho = torch.corrcoef(torch.stack([rank_score, rank_freq]))[0, 1].item()
     assert rho >= 0.9, f"Spearman rho {rho:.3f}"
+
+
+@given(n=st.integers(1, 40), data=st.data())
+def test_smoothing_is_centred_on_each_candidate(n, data):
+    """All the attention on one candidate `i` (a one-hot softmax): the pool of width `smooth` spreads it
+    evenly over `i - smooth // 2 .. i + smooth // 2` (cut at the ends), never further on one side."""
+    i = data.draw(st.integers(0, n - 1))
+    smooth = data.draw(st.integers(0, 2 * n + 2).map(lambda k: 2 * k + 1))
+    keys = torch.zeros(1, 1, n, 2)
+    keys[0, 0, i, 0] = 1.0
+    queries = torch.tensor([1.0, 0.0]).view(1, 1, 1, 2)
+    valid = torch.ones(1, 1, n, dtype=torch.bool)
+    scores = scoring.window_attention(keys, queries, valid, temperature=1e-6, smooth=smooth).flatten()
+    half = smooth // 2
+    spread = (torch.arange(n) - i).abs() <= half
+    expected = torch.where(spread, 1.0 / smooth, 0.0)
+    assert torch.allclose(scores, expected, rtol=1e-6, atol=0), (i, smooth, scores)
+
+
+@given(k=st.integers(1, 2**20))
+def test_an_even_smoothing_width_is_refused_everywhere(k):
+    """An even pool has no centre slot (width 4 spread a spike at slot 4 over slots 3..6): the config, every
+    policy that declares `smooth`, and the scoring function itself refuse it."""
+    smooth = 2 * k
+    with pytest.raises(ValueError, match=r"smooth must be an odd int in \[1, "):
+        VaSEConfig(budget=max(smooth, 128), smooth=smooth)
+    for name in policies.available():
+        if "smooth" in policies.get(name).options:
+            with pytest.raises(ValueError, match=rf"option smooth must be an odd int .*got {smooth}"):
+                policies.get(name, smooth=smooth)
+    keys = torch.zeros(1, 1, 3, 2)
+    with pytest.raises(ValueError, match=rf"smooth must be odd .*got {smooth}"):
+        scoring.window_attention(keys, keys[:, :, :1], torch.ones(1, 1, 3, dtype=torch.bool), smooth=smooth)

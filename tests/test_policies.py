@@ -171,7 +171,7 @@ def test_registration_is_checked():
         policies.register("test-bad", reads_unknown)
     with pytest.raises(TypeError, match="option 'rank' of no_default needs a default"):
         policies.register("test-bad", no_default)
-    with pytest.raises(ValueError, match="option rank must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"option rank must be an int in \[1, 256\], got 0"):
         policies.register("test-bad", policies.dkv, rank=0)  # presets are checked at registration
     with pytest.raises(ValueError, match="never-evict mode"):
         policies.register("full", policies.streaming)
@@ -186,14 +186,28 @@ def test_registration_is_checked():
         ("rkv", {"lam": True}, "option lam must be a number in [0, 1], got True"),
         ("vase", {"sinks": -1}, "policy 'vase': option sinks must be an int in [0, 2147483647], got -1"),
         ("vase", {"protect": 1.5}, "option protect must be an int in [0, 2147483647], got 1.5"),
-        ("snapkv", {"smooth": 0}, "policy 'snapkv': option smooth must be an int in [1, 2147483647], got 0"),
+        ("snapkv", {"smooth": 0}, "policy 'snapkv': option smooth must be an odd int in [1, 2147483647], got 0"),
         ("snapkv", {"temperature": 0.0}, "option temperature must be a number finite and >= 1e-06, got 0.0"),
         ("vase", {"temperature": float("nan")}, "option temperature must be a number finite and >= 1e-06, got nan"),
         ("vase", {"temperature": 1e-300}, "option temperature must be a number finite and >= 1e-06, got 1e-300"),
         ("vase", {"score": "max"}, "policy 'vase': option score must be one of 'range', 'l2', 'var', got 'max'"),
         ("vase", {"protection": "none"}, "option protection must be one of 'largest', 'random', 'evict-largest'"),
         ("vase", {"sample": 1}, "policy 'vase': option sample must be a bool, got 1"),
-        ("cur", {"rank": 0}, "policy 'cur': option rank must be an int >= 1, got 0"),
+        ("cur", {"rank": 0}, "policy 'cur': option rank must be an int in [1, 256], got 0"),
+        ("cur", {"rank": 10**30}, "policy 'cur': option rank must be an int in [1, 256], got 10000000000000000000"),
+        ("vase-dkv", {"rank": 2**40}, "policy 'vase-dkv': option rank must be an int in [1, 256], got 1099511627776"),
+        ("vase-dkv", {"rank": 257}, "policy 'vase-dkv': option rank must be an int in [1, 256], got 257"),
+        ("vase-dkv", {"resample": "yes"}, "policy 'vase-dkv': option resample must be a bool, got 'yes'"),
+        ("snapkv", {"smooth": 4}, "policy 'snapkv': option smooth must be an odd int in [1, 2147483647], got 4"),
+        ("rkv", {"smooth": 2**31 + 1}, "policy 'rkv': option smooth must be an odd int in [1, 2147483647], got 2147"),
+        ("vase", {"temperature": 10**400}, "option temperature must be a number finite and >= 1e-06, got 1000000"),
+        ("vase", {"temperature": float("inf")}, "option temperature must be a number finite and >= 1e-06, got inf"),
+        ("rkv", {"lam": float("nan")}, "policy 'rkv': option lam must be a number in [0, 1], got nan"),
+        ("rkv", {"lam": -(10**400)}, "policy 'rkv': option lam must be a number in [0, 1], got -1000000"),
+        ("knorm", {"sinks": 2**31}, "policy 'knorm': option sinks must be an int in [0, 2147483647], got 2147483648"),
+        ("vase", {"protect": -1}, "policy 'vase': option protect must be an int in [0, 2147483647], got -1"),
+        ("cur", {"seed": True}, "policy 'cur': option seed must be an int in [-9223372036854775808, 1844"),
+        ("cur", {"seed": 0.0}, "policy 'cur': option seed must be an int in [-9223372036854775808, 1844"),
         ("cur", {"seed": "0"}, "policy 'cur': option seed must be an int in [-9223372036854775808, 1844"),
         ("cur", {"seed": 2**64}, "policy 'cur': option seed must be an int in [-9223372036854775808, 1844"),
         ("snapkv", {"lam": 0.5}, "policy 'snapkv' has no option(s) lam; its options are: temperature, smooth"),
@@ -204,6 +218,26 @@ def test_bad_options_are_named_when_the_policy_is_built(name, options, message):
     with pytest.raises(ValueError) as err:
         policies.get(name, **options)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("name", policies.available())
+def test_every_option_of_every_policy_declares_a_bounded_range(name):
+    """An int option without an upper bound let `cur`'s rank=10**30 through `patch` (torch.randn then
+    overflowed at the first eviction; rank=2**40 asked for 70 TB): every int option of a registered policy
+    has a finite range, every number option refuses NaN and infinities, every option's type is known."""
+    from vasepatch.policies.options import Between, OneOf, options_of
+
+    priority, _, _ = policies._REGISTRY[name]
+    for option in options_of(priority).values():
+        where = f"{name}: option {option.name}"
+        assert option.kind in (int, float, bool, str), where
+        if option.kind is int:
+            assert isinstance(option.constraint, Between) and option.constraint.high <= 2**64, where
+            assert not option._accepts(option.constraint.high + 1) and not option._accepts(True), where
+        if option.kind is float:
+            assert not any(option._accepts(v) for v in (math.nan, math.inf, -math.inf, 10**400, True)), where
+        if option.kind is str:
+            assert isinstance(option.constraint, OneOf), where
 
 
 def test_full_is_a_cache_mode_not_a_policy():

@@ -88,6 +88,30 @@ def _run_uneven(path: str) -> dict:
     return {"error": error, "unchanged": before == after and not vasepatch.is_patched(model)}
 
 
+def _kept_positions(model, handle, ids, mask) -> list:
+    """Each layer's `[rows, KV heads, slots]` positions after a prefill that compresses the prompt."""
+    cache = handle.new_cache()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **{handle.cache_keyword: cache})
+    return [layer.positions.tolist() for layer in cache.layers]
+
+
+def _run_many_heads(path: str) -> dict:
+    """4 KV heads on 2 ranks (2 per rank): what `vase` keeps from a prompt longer than the budget (one
+    sampled eviction per layer, drawn by global KV head) on each rank, and on rank 0 one process's picks."""
+    ids, mask = ragged_batch(VOCAB, lengths=(40, 31))
+    tp = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()
+    handle = vasepatch.patch(tp, policy="vase", **SETTINGS)
+    result = {"head_offsets": [p.head_offset for p in handle.layout.layer_plans()]}
+    result["positions"] = _kept_positions(tp, handle, ids, mask)
+    vasepatch.unpatch(tp)
+    if torch.distributed.get_rank() == 0:
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with vasepatch.patched(ref, policy="vase", **SETTINGS) as ref_handle:
+            result["ref_positions"] = _kept_positions(ref, ref_handle, ids, mask)
+    return result
+
+
 def worker(folder: str, out: str) -> None:
     import faulthandler
     from datetime import timedelta
@@ -104,6 +128,8 @@ def worker(folder: str, out: str) -> None:
             results[f"{name}/{policy}"] = _run_family(str(Path(folder) / name), policy)
     if spec.get("uneven"):
         results["uneven"] = _run_uneven(str(Path(folder) / "uneven"))
+    if spec.get("many_heads"):
+        results["many_heads"] = _run_many_heads(str(Path(folder) / "many_heads"))
     Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -171,12 +197,14 @@ pytestmark = pytest.mark.skipif(_tp_support() is not None, reason=str(_tp_suppor
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory) -> list[dict]:
-    """The worker's results on 2 ranks: 4 tiny families (4 query, 2 KV heads: one per rank)."""
+    """The worker's results on 2 ranks: 4 tiny families (4 query, 2 KV heads: one per rank), a 1-KV-head
+    model (refused), and a llama with 4 KV heads (two per rank)."""
     folder = tmp_path_factory.mktemp("tp2")
     for family in FAMILIES:
         tiny_model(family, kv_heads=2).save_pretrained(folder / family)
     tiny_model("llama", kv_heads=1).save_pretrained(folder / "uneven")
-    spec = {"families": list(FAMILIES), "policies": ["snapkv", "vase"], "uneven": True}
+    tiny_model("llama", kv_heads=4).save_pretrained(folder / "many_heads")
+    spec = {"families": list(FAMILIES), "policies": ["snapkv", "vase"], "uneven": True, "many_heads": True}
     (folder / "spec.json").write_text(json.dumps(spec))
     return launch(folder, 2)
 
@@ -226,6 +254,22 @@ def test_sampling_policy_matches_one_process(tp2, family):
     holding half the heads each keep what one process keeps (greedy tokens over 128 steps with evictions)."""
     got = tp2[0][f"{family}/vase"]
     assert got["tokens"] == got["ref_tokens"], got["divergence"]
+
+
+def test_several_kv_heads_per_rank_draw_by_global_head(tp2):
+    """With one KV head per rank, `rank` and `rank x local KV heads` are the same head offset (a mutation
+    computing the first was caught by no test). With 4 KV heads on 2 ranks, rank 1 holds global heads 2 and
+    3: its offset is 2, and the slots it keeps after a sampled eviction are those one process keeps for
+    heads 2 and 3 (the noise is keyed by global head, so a wrong offset draws another head's noise)."""
+    ref = tp2[0]["many_heads"]["ref_positions"]
+    for rank, result in enumerate(tp2):
+        got = result["many_heads"]
+        assert got["head_offsets"] == [2 * rank] * len(ref)
+        for layer, (local, full) in enumerate(zip(got["positions"], ref, strict=True)):
+            assert len(local[0]) == 2, "each rank caches 2 of the 4 KV heads"
+            mine = [row[2 * rank : 2 * rank + 2] for row in full]
+            assert local == mine, f"rank {rank}, layer {layer}: kept other slots than one process"
+    assert ref[0][0][0] != ref[0][0][2], "the heads keep different slots (the check can tell heads apart)"
 
 
 def test_heads_that_do_not_divide_the_world_size_are_refused(tp2):

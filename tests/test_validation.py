@@ -7,6 +7,7 @@ import functools
 from contextlib import contextmanager
 from typing import Annotated
 
+import numpy as np
 import pytest
 import torch
 
@@ -205,12 +206,27 @@ def test_a_bad_policy_fails_the_generation_with_its_name(make_model):
 BAD_CONFIGS = [
     (dict(budget=128, seed=2**64), "seed", r"seed must be None or an int in \[-2\*\*63, 2\*\*64 - 1\]"),
     (dict(budget=128, seed=-(2**63) - 1), "seed", r"seed must be None or an int in \[-2\*\*63, 2\*\*64 - 1\]"),
-    (dict(budget=128, smooth=2**40), "smooth", r"smooth must be an int in \[1, 256\] \(at most 2 x budget"),
-    (dict(budget=128, smooth=257), "smooth", r"smooth must be an int in \[1, 256\]"),
+    (dict(budget=128, smooth=2**40), "smooth", r"smooth must be an odd int in \[1, 255\] \(the width of a centred "
+     r"average pool"),
+    (dict(budget=128, smooth=257), "smooth", r"smooth must be an odd int in \[1, 255\]"),
+    (dict(budget=128, smooth=4), "smooth", r"smooth must be an odd int in \[1, 255\] .*an even width has no centre"),
+    (dict(budget=128, smooth=True), "smooth", r"smooth must be an odd int in \[1, 255\] .*got True"),
+    (dict(budget=128, smooth=5.0), "smooth", r"smooth must be an odd int in \[1, 255\] .*got 5\.0"),
     (dict(budget=2**40), "budget", r"budget \+ window must be at most 2\*\*31 - 1 = 2147483647 slots"),
     (dict(budget=2**31 - 64), "budget", r"budget \+ window must be at most 2\*\*31 - 1"),
     (dict(budget=128, temperature=1e-300), "temperature", r"temperature must be a finite number >= 1e-06"),
     (dict(budget=128, temperature=1e-7), "temperature", r"temperature must be a finite number >= 1e-06"),
+    (dict(budget=128, temperature=float("nan")), "temperature", r"temperature must be a finite number >= 1e-06"),
+    (dict(budget=128, temperature=float("inf")), "temperature", r"temperature must be a finite number >= 1e-06"),
+    (dict(budget=128, temperature=np.float32("nan")), "temperature", r"temperature must be a finite number >= "
+     r"1e-06 .*got nan"),
+    (dict(budget=np.bool_(True)), "budget", r"budget must be an int >= 2, got True"),
+    (dict(budget=128.0), "budget", r"budget must be an int >= 2, got 128\.0"),
+    (dict(budget=torch.tensor([128])), "budget", r"budget must be an int >= 2, got tensor\(\[128\]\)"),
+    (dict(budget=128, sinks=True), "sinks", r"sinks must be an int >= 0, got True"),
+    (dict(budget=128, seed=1.5), "seed", r"seed must be None or an int in \[-2\*\*63, 2\*\*64 - 1\], got 1\.5"),
+    (dict(budget=128, policy_options="sample=False"), "policy_options", r"policy_options must be a mapping \(a "
+     r"dict\) of option names to values, got str 'sample=False'"),
     (dict(budget=8, window=7), "budget", r"budget=8 is too small for window=7 and sinks=4: .* need budget >= "
      r"window \+ sinks = 11"),
     (dict(budget=12, window=4), "protect", r"protect defaults to budget // 4 = 3, fewer than sinks=4; "
@@ -219,8 +235,12 @@ BAD_CONFIGS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("settings", "param", "message"), BAD_CONFIGS, ids=[f"{c[1]}-{i}" for i, c in
-                                                                           enumerate(BAD_CONFIGS)])  # fmt: skip
+def _config_cases():
+    for i, (settings, param, message) in enumerate(BAD_CONFIGS):
+        yield pytest.param(settings, param, message, id=f"{param}-{i}")
+
+
+@pytest.mark.parametrize(("settings", "param", "message"), list(_config_cases()))
 def test_bad_settings_are_named_at_config_and_patch_time(make_model, settings, param, message):
     with pytest.raises(ValueError, match=message) as info:
         VaSEConfig(**settings)
@@ -234,10 +254,22 @@ def test_bad_settings_are_named_at_config_and_patch_time(make_model, settings, p
     assert torch.equal(logits(model, ids, mask), out_before)
 
 
+def test_an_int_too_large_for_a_float_is_not_a_number(make_model):
+    """`temperature=10**400` passed (an int compares with floats) and failed at the first eviction with
+    "OverflowError: int too large to convert to float"; `policies.get(..., temperature=10**400)` raised it."""
+    with pytest.raises(ValueError, match=r"temperature must be a finite number >= 1e-06 .*got 1000000"):
+        VaSEConfig(budget=128, temperature=10**400)
+    with pytest.raises(ValueError, match=r"temperature must be a finite number >= 1e-06"):
+        vasepatch.patch(make_model("llama"), budget=64, window=8, temperature=10**400)
+    with pytest.raises(ValueError, match=r"policy 'rkv': option lam must be a number in \[0, 1\], got 1000000"):
+        policies.for_config(VaSEConfig(budget=128, policy="rkv", policy_options={"lam": 10**400}))
+    assert VaSEConfig(budget=128, temperature=10**300).temperature == 10**300  # large, but a float: uniform scores
+
+
 def test_the_bounds_themselves_are_accepted():
     VaSEConfig(budget=128, seed=2**64 - 1)
     VaSEConfig(budget=128, seed=-(2**63))
-    VaSEConfig(budget=128, smooth=256)
+    VaSEConfig(budget=128, smooth=255)
     VaSEConfig(budget=128, temperature=1e-6)
     VaSEConfig(budget=11, window=7, protect=4)  # window + sinks = 11
     VaSEConfig(budget=2**31 - 65, window=64, protect=4)
@@ -279,7 +311,18 @@ BAD_POLICY_OPTIONS = [
     (dict(policy="rkv", policy_options={"lam": "x"}), r"policy 'rkv': option lam must be a number in \[0, 1\]"),
     (dict(policy="rkv", policy_options={"lam": 1.5}), r"policy 'rkv': option lam must be a number in \[0, 1\]"),
     (dict(policy="cur", policy_options={"seed": 2**64}), r"policy 'cur': option seed must be an int in"),
-]
+    (dict(policy="cur", policy_options={"rank": 10**30}), r"policy 'cur': option rank must be an int in \[1, 256\], "
+     r"got 1000000000000000000000000000000"),
+    (dict(policy="vase-dkv", policy_options={"rank": 2**40}), r"policy 'vase-dkv': option rank must be an int in "
+     r"\[1, 256\]"),
+    (dict(policy="cur", policy_options={"rank": True}), r"policy 'cur': option rank must be an int in \[1, 256\], "
+     r"got True"),
+    (dict(policy="cur", policy_options={"seed": np.bool_(False)}), r"policy 'cur': option seed must be an int in"),
+    (dict(policy="rkv", policy_options={"lam": float("nan")}), r"policy 'rkv': option lam must be a number in "
+     r"\[0, 1\], got nan"),
+    (dict(policy="vase-topk", policy_options={"sample": np.int64(1)}), r"policy 'vase-topk': option sample must be "
+     r"a bool, got np\.int64\(1\)"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("settings", "message"), BAD_POLICY_OPTIONS)
@@ -313,8 +356,10 @@ def test_a_constraint_that_cannot_compare_is_a_value_error():
 def test_policy_level_bounds_match_the_config():
     with pytest.raises(ValueError, match=r"option temperature must be a number finite and >= 1e-06, got 1e-300"):
         policies.get("vase", temperature=1e-300)
-    with pytest.raises(ValueError, match=r"option smooth must be an int in \[1, 2147483647\]"):
+    with pytest.raises(ValueError, match=r"option smooth must be an odd int in \[1, 2147483647\]"):
         policies.get("snapkv", smooth=2**40)
+    with pytest.raises(ValueError, match=r"option smooth must be an odd int in \[1, 2147483647\], got 4"):
+        policies.get("snapkv", smooth=4)
     with pytest.raises(ValueError, match=r"option sinks must be an int in \[0, 2147483647\]"):
         policies.get("streaming", sinks=2**70)
 
@@ -327,6 +372,113 @@ def test_temperature_at_its_bound_still_ranks_by_attention():
     valid = torch.ones(1, 1, 6, dtype=torch.bool)
     scores = scoring.window_attention(keys, queries, valid, temperature=1e-6, smooth=1)
     assert torch.equal(scores.flatten(), torch.tensor([0.0, 0, 0, 0, 0, 1]))
+
+
+# --- numpy scalars and 0-d tensors are numbers ----------------------------------------------------
+
+# (setting, numpy / 0-d tensor value, the plain value it stands for)
+SCALAR_SETTINGS = [
+    ("budget", np.int64(128), 128),
+    ("window", np.int32(8), 8),
+    ("protect", np.uint16(16), 16),
+    ("sinks", torch.tensor(4), 4),
+    ("temperature", np.float32(0.5), 0.5),
+    ("temperature", np.int64(2), 2),
+    ("temperature", torch.tensor(0.25, dtype=torch.float64), 0.25),
+    ("smooth", np.int64(5), 5),
+    ("seed", np.uint64(2**64 - 1), 2**64 - 1),
+    ("seed", torch.tensor(-(2**63)), -(2**63)),
+    ("check_policy_output", np.bool_(False), False),
+    ("shared_heads", torch.tensor(True), True),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "plain"), SCALAR_SETTINGS, ids=[f"{c[0]}-{type(c[1]).__name__}" for c in
+                                                                         SCALAR_SETTINGS])  # fmt: skip
+def test_numpy_and_0d_tensor_scalars_are_accepted_as_plain_numbers(field, value, plain):
+    """`np.float32(0.3)` and `np.int64(5)` were refused while `np.float64` passed: every numpy scalar and
+    0-d tensor of the right kind is accepted, and the config holds the plain Python value."""
+    settings = {"budget": 128, "window": 8, field: value}
+    config = VaSEConfig(**settings)
+    got = getattr(config, field)
+    assert type(got) is type(plain) and got == pytest.approx(plain), (got, plain)
+    assert config == VaSEConfig(**{**settings, field: plain})
+
+
+def test_numpy_and_0d_tensor_policy_options_are_accepted_as_plain_values():
+    rkv = policies.get("rkv", lam=np.float32(0.25), temperature=np.float32(0.5), smooth=np.int64(3))
+    assert dict(rkv.options) == {"lam": 0.25, "temperature": 0.5, "smooth": 3}
+    assert all(type(v) in (int, float) for v in rkv.options.values())
+    cur = policies.get("cur", rank=np.int64(5), seed=torch.tensor(7), resample=np.bool_(False))
+    assert (cur.options["rank"], cur.options["seed"], cur.options["resample"]) == (5, 7, False)
+    assert type(cur.options["rank"]) is int and type(cur.options["resample"]) is bool
+    assert policies.get("vase", sample=torch.tensor(False)).options["sample"] is False
+    assert policies.get("vase", shared_heads=np.bool_(True)).shared_heads is True
+
+
+NOT_SCALARS = [
+    ("rkv", {"lam": np.bool_(True)}, r"option lam must be a number in \[0, 1\], got np\.True_"),
+    ("rkv", {"lam": torch.tensor([0.5])}, r"option lam must be a number in \[0, 1\], got tensor\(\[0\.5000\]\)"),
+    ("rkv", {"lam": np.array([0.5, 0.5])}, r"option lam must be a number in \[0, 1\]"),
+    ("rkv", {"lam": np.complex64(0.5)}, r"option lam must be a number in \[0, 1\]"),
+    ("cur", {"rank": np.float32(5)}, r"option rank must be an int in \[1, 256\], got np\.float32\(5\.0\)"),
+    ("cur", {"rank": torch.tensor(5.0)}, r"option rank must be an int in \[1, 256\], got tensor\(5\.\)"),
+    ("cur", {"rank": torch.tensor(True)}, r"option rank must be an int in \[1, 256\], got tensor\(True\)"),
+    ("vase", {"sample": torch.tensor(1)}, r"option sample must be a bool, got tensor\(1\)"),
+    ("vase", {"temperature": np.float64("inf")}, r"option temperature must be a number finite and >= 1e-06"),
+    ("vase", {"temperature": 10**400}, r"option temperature must be a number finite and >= 1e-06"),
+    ("vase", {"protect": np.bool_(True)}, r"option protect must be an int in \[0, 2147483647\], got np\.True_"),
+]
+
+
+@pytest.mark.parametrize(("name", "options", "message"), NOT_SCALARS)
+def test_values_that_are_not_scalars_of_the_right_kind_are_refused(name, options, message):
+    """Bools stay refused where an int or a number is expected (numpy and tensor bools included), floats where
+    an int is, and tensors of more than one element anywhere."""
+    with pytest.raises(ValueError, match=f"policy '{name}': {message}"):
+        policies.get(name, **options)
+
+
+def test_a_patch_with_numpy_settings_generates_like_plain_ones(make_model):
+    model = make_model("llama")
+    ids, mask = ragged_batch(VOCAB, lengths=(20, 14, 9))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    plain = dict(budget=12, window=4, sinks=2, temperature=0.5, smooth=3, seed=3)
+    numpy = dict(budget=np.int64(12), window=np.int32(4), sinks=np.int8(2), temperature=np.float32(0.5),
+                 smooth=torch.tensor(3), seed=np.uint8(3))  # fmt: skip
+    plain.update(policy="rkv", policy_options={"lam": 0.25})
+    numpy.update(policy="rkv", policy_options={"lam": np.float32(0.25)})
+    outs = []
+    for settings in (plain, numpy):
+        with vasepatch.patched(model, **settings) as handle:
+            outs.append(model.generate(**kwargs))
+            assert handle.stats()["evictions"] > 0
+            assert handle.config == VaSEConfig(**plain) and dict(handle.policy.options)["lam"] == 0.25
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_policy_options_must_be_a_mapping():
+    """A string used to fail inside `dict()` ("dictionary update sequence element #0 has length 1")."""
+    for given in ("sample=False", [("sample", False)], ("sample",), 0):
+        with pytest.raises(ValueError, match=r"policy_options must be a mapping \(a dict\) of option names to "
+                                             r"values, got "):  # fmt: skip
+            VaSEConfig(budget=128, policy_options=given)
+
+
+def test_the_config_holds_its_own_copy_of_policy_options():
+    given = {"lam": 0.25}
+    config = VaSEConfig(budget=128, policy="rkv", policy_options=given)
+    given["lam"] = 7  # a later change of the caller's dict does not reach the checked config
+    assert config.policy_options == {"lam": 0.25}
+    assert policies.for_config(config).options["lam"] == 0.25
+
+
+def test_patch_refuses_policy_options_that_are_not_a_mapping(make_model):
+    model = make_model("llama")
+    for given in ("sample=False", ""):  # "" used to be read as no options at all
+        with pytest.raises(ValueError, match=r"policy_options must be a mapping \(a dict\)"):
+            vasepatch.patch(model, budget=64, window=8, policy_options=given)
+    assert not vasepatch.is_patched(model)
 
 
 # --- every VaSEConfig field reaches the policy ---------------------------------------------------

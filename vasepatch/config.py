@@ -23,13 +23,47 @@ MIN_TEMPERATURE = 1e-6
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
+NUMERIC_FIELDS = ("budget", "window", "protect", "sinks", "temperature", "smooth", "seed")
+BOOL_FIELDS = ("check_policy_output", "shared_heads")
+
+
+def plain(value: Any) -> Any:
+    """The Python `bool`, `int` or `float` that a numpy scalar or a 0-d tensor (or 0-d array) holds;
+    any other value unchanged. So `np.int64(5)`, `np.float32(0.3)`, `np.bool_(True)` and `torch.tensor(5)`
+    are checked as `5`, `0.3...`, `True`, `5` (a bool stays a bool: it never passes as an int); a tensor of
+    several elements, a complex number or a string stays what it is, and is refused by the checks."""
+    if type(value) in (bool, int, float) or value is None or isinstance(value, str):
+        return value
+    if getattr(value, "shape", None) != () or not callable(getattr(value, "item", None)):
+        return value.__float__() if isinstance(value, float) else value  # a float subclass: its value
+    try:
+        item = value.item()
+    except Exception:  # a meta tensor, an item() of another meaning: not a scalar
+        return value
+    return item if type(item) in (bool, int, float) else value
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """A real number that converts to a float (not a bool; an int of 400 digits overflows a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
 class VaSEConfig:
     """Settings of a VaSE-patched model.
+
+    Numbers may be numpy scalars or 0-d tensors (`np.int64(5)`, `np.float32(0.3)`, `torch.tensor(4)`):
+    the config holds their plain Python value. A bool is never taken for an int or a number.
 
     Attributes:
         budget: KV pairs kept per layer, row and KV head after each eviction.
@@ -44,8 +78,9 @@ class VaSEConfig:
             allocation).
         temperature: softmax temperature of the attention scores (finite, >= `MIN_TEMPERATURE`
             = 1e-6: smaller ones overflow the float32 logits).
-        smooth: width of the 1-D average pool applied to attention scores (1 = off; at most
-            `2 * budget`: from `2 * budget - 1` on, all `budget` candidates of a decode eviction score alike).
+        smooth: width of the 1-D average pool applied to attention scores, centred on each candidate: an
+            odd int (1 = off; at most `2 * budget - 1`, from which on all `budget` candidates of a decode
+            eviction score alike). SnapKV and the VaSE paper use odd widths (5, 7).
         seed: keys the eviction randomness of each generation (an int in `[-2**63, 2**64 - 1]`):
             the draws of an eviction are a function of the seed, the layer, the eviction round,
             the row, the global KV head and the slot, so they do not depend on how tensor
@@ -89,7 +124,10 @@ class VaSEConfig:
     shared_heads: bool = False
 
     def __post_init__(self) -> None:
+        for name in (*NUMERIC_FIELDS, *BOOL_FIELDS):  # numpy scalars and 0-d tensors hold plain values
+            object.__setattr__(self, name, plain(getattr(self, name)))
         self.validate()
+        object.__setattr__(self, "policy_options", dict(self.policy_options))  # the config's own copy
 
     @property
     def n_protect(self) -> int:
@@ -174,16 +212,17 @@ class VaSEConfig:
 
     def _validate_scoring(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not MIN_TEMPERATURE <= t < float("inf"):
+        if not is_number(t) or not MIN_TEMPERATURE <= t < float("inf"):
             raise ValueError(
                 f"temperature must be a finite number >= {MIN_TEMPERATURE:g} (smaller ones overflow the float32 "
                 f"attention logits, making every score 0), got {t!r}"
             )
-        if not _is_int(self.smooth) or not 1 <= self.smooth <= 2 * self.budget:
+        s, top = self.smooth, 2 * self.budget - 1
+        if not _is_int(s) or not 1 <= s <= top or s % 2 == 0:
             raise ValueError(
-                f"smooth must be an int in [1, {2 * self.budget}] (at most 2 x budget: it is the width of the average "
-                "pool over the candidates' attention, and from 2 x budget - 1 on it gives every candidate of a decode "
-                f"eviction the same score; 1 = no smoothing), got {self.smooth!r}"
+                f"smooth must be an odd int in [1, {top}] (the width of a centred average pool over the candidates' "
+                "attention: an even width has no centre slot; from 2 x budget - 1 on, every candidate of a decode "
+                f"eviction scores alike; 1 = no smoothing), got {s!r}"
             )
         lo, hi = SEED_RANGE
         if self.seed is not None and (not _is_int(self.seed) or not lo <= self.seed <= hi):
@@ -203,7 +242,11 @@ class VaSEConfig:
                 f"shared_heads must be a bool (True: all KV heads keep the same tokens), got {self.shared_heads!r}"
             )
         if not isinstance(self.policy_options, Mapping):
-            raise ValueError(f"policy_options must be a mapping, got {type(self.policy_options).__name__}")
+            raise ValueError(
+                f"policy_options must be a mapping (a dict) of option names to values, got "
+                f"{type(self.policy_options).__name__} {self.policy_options!r} "
+                "(e.g. policy_options={'sample': False})"
+            )
         for key in self.policy_options:
             if not isinstance(key, str):
                 raise ValueError(f"policy_options keys must be option names (strings), got {key!r}")

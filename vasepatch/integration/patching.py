@@ -139,7 +139,7 @@ def patch(
         seed=seed,
         attn_backend=attn_backend,
         prefill=prefill,
-        policy_options=dict(policy_options or {}),
+        policy_options={} if policy_options is None else policy_options,  # VaSEConfig checks and copies it
         check_policy_output=check_policy_output,
         shared_heads=shared_heads,
     )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vasepatch.config import FULL
+from vasepatch.config import FULL, plain
 from vasepatch.policies.base import INPUTS, Policy, PolicyOutputError, PriorityFn, check_picks, inputs_of
 from vasepatch.policies.dkv import dkv
 from vasepatch.policies.keyed import KeyedGenerator
@@ -89,9 +89,10 @@ def _build(name: str, options: dict[str, Any], check_output: bool, shared_heads:
         priority, declared, preset = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; registered policies: {', '.join(available())}") from None
-    if not isinstance(shared_heads, bool):
+    if not isinstance(plain(shared_heads), bool):
         raise ValueError(f"shared_heads must be a bool, got {shared_heads!r}")
     options = resolve(name, declared, {**preset, **options})
+    shared_heads = plain(shared_heads)
     return Policy(name, priority, options, check_output=check_output, shared_heads=shared_heads)
 
 

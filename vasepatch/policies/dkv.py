@@ -14,7 +14,13 @@ from torch import Tensor
 
 from vasepatch.policies import scoring
 from vasepatch.policies.keyed import draws_keyed_noise
-from vasepatch.policies.options import AtLeast, Seed, Sinks
+from vasepatch.policies.options import Between, Seed, Sinks
+
+# The width of the sketch `G`. A sketch is narrower than what it sketches: from rank = head_dim on, the exact
+# norms cost less than their estimate. 256 is the largest head_dim of the supported families (and of the
+# varlen kernels); the paper uses 20. Unbounded, rank = 10**30 overflowed torch.randn and 2**40 asked for 70 TB,
+# at the first eviction.
+MAX_RANK = 256
 
 
 @functools.lru_cache(maxsize=64)
@@ -33,7 +39,7 @@ def dkv(
     generator: scoring.Randomness,
     *,
     sinks: Sinks = 4,
-    rank: Annotated[int, AtLeast(1)] = 20,
+    rank: Annotated[int, Between(1, MAX_RANK)] = 20,
     resample: bool = True,
     seed: Seed = 0,
 ) -> Tensor:

@@ -4,6 +4,10 @@ An option's type annotation states what it accepts: `int`, `float` (any real
 number), `bool` or `str`, optionally wrapped in `typing.Annotated` with one
 constraint (`AtLeast`, `Above`, `Between`, `OneOf`). The aliases below are the
 options the cache passes to every policy that declares them (`COMMON_OPTIONS`).
+A numpy scalar or 0-d tensor counts as the Python value it holds (`config.plain`),
+and the policy is built with that plain value; a bool is never an int or a number.
+An int option needs a finite range (`Between`): its value sizes tensors at the first
+eviction, too late to refuse it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from vasepatch.config import MAX_SLOTS, MIN_TEMPERATURE, SEED_RANGE
+from vasepatch.config import MAX_SLOTS, MIN_TEMPERATURE, SEED_RANGE, is_number, plain
 
 COMMON_OPTIONS = ("protect", "sinks", "temperature", "smooth")
 _KINDS = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
@@ -48,9 +52,10 @@ class Above:
 class Between:
     low: float
     high: float
+    odd: bool = False  # only odd values (a width centred on one slot)
 
     def ok(self, value: Any) -> bool:
-        return self.low <= value <= self.high
+        return self.low <= value <= self.high and (not self.odd or value % 2 == 1)
 
     def __str__(self) -> str:
         return f"in [{self.low}, {self.high}]"
@@ -71,7 +76,7 @@ class OneOf:
 Protect = Annotated[int, Between(0, MAX_SLOTS)]  # slots for the sinks and the largest-range values
 Sinks = Annotated[int, Between(0, MAX_SLOTS)]  # candidates at absolute positions < sinks are kept
 Temperature = Annotated[float, AtLeast(MIN_TEMPERATURE, finite=True)]  # of the window-attention softmax
-Smooth = Annotated[int, Between(1, MAX_SLOTS)]  # width of the average pool over window attention (1 = off)
+Smooth = Annotated[int, Between(1, MAX_SLOTS, odd=True)]  # width of the centred average pool (1 = off)
 Seed = Annotated[int, Between(*SEED_RANGE)]  # what torch.Generator.manual_seed accepts
 
 
@@ -86,6 +91,8 @@ class Option:
 
     def requirement(self) -> str:
         kind = _KINDS.get(self.kind, "")
+        if getattr(self.constraint, "odd", False):
+            kind = "an odd int" if self.kind is int else f"odd and {kind}".strip()
         if isinstance(self.constraint, OneOf):
             return str(self.constraint)
         return " ".join(p for p in (kind, str(self.constraint) if self.constraint else "") if p)
@@ -97,8 +104,9 @@ class Option:
         raise ValueError(f"policy {policy!r}: option {self.name} must be {self.requirement()}, got {value!r}")
 
     def _accepts(self, value: Any) -> bool:
+        value = plain(value)
         if self.kind is float:
-            typed = isinstance(value, (int, float)) and not isinstance(value, bool)
+            typed = is_number(value)
         elif self.kind is int:
             typed = isinstance(value, int) and not isinstance(value, bool)
         elif self.kind in (bool, str):
@@ -109,8 +117,8 @@ class Option:
             return typed
         try:
             return bool(self.constraint.ok(value))
-        except TypeError:  # a value the constraint cannot compare (an option of a type vasepatch does not know)
-            return False
+        except (TypeError, ValueError, OverflowError):  # a value the constraint cannot compare (an option of a
+            return False  # type vasepatch does not know, an int too large for math.isfinite)
 
 
 def options_of(fn: Callable[..., Any]) -> dict[str, Option]:
@@ -131,8 +139,9 @@ def options_of(fn: Callable[..., Any]) -> dict[str, Option]:
 
 
 def resolve(policy: str, declared: Mapping[str, Option], given: Mapping[str, Any]) -> dict[str, Any]:
-    """Defaults updated by `given`, every value checked. Common options the policy does not
-    declare are dropped; any other unknown option is a ValueError naming the policy's options."""
+    """Defaults updated by `given`, every value checked, numpy scalars and 0-d tensors turned into
+    the plain values they hold. Common options the policy does not declare are dropped; any other
+    unknown option is a ValueError naming the policy's options."""
     unknown = sorted(k for k in given if k not in declared and k not in COMMON_OPTIONS)
     if unknown:
         names = ", ".join(declared) or "none"
@@ -140,4 +149,4 @@ def resolve(policy: str, declared: Mapping[str, Option], given: Mapping[str, Any
     values = {name: given.get(name, opt.default) for name, opt in declared.items()}
     for name, value in values.items():
         declared[name].check(policy, value)
-    return values
+    return {name: plain(value) for name, value in values.items()}

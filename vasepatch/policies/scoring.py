@@ -72,9 +72,12 @@ def window_attention(
 
     `softmax(q k^T / (sqrt(D) * temperature))` over the valid candidates, averaged
     over the window and over the query heads sharing each KV head (GQA), then
-    smoothed by an average pool of width `smooth` along the sequence. Invalid
-    candidates score 0.
+    smoothed by an average pool of width `smooth` along the sequence, centred on each
+    candidate (`smooth` odd: an even width has no centre slot; SnapKV's and the VaSE
+    paper's widths are odd). Invalid candidates score 0.
     """
+    if smooth > 1 and smooth % 2 == 0:
+        raise ValueError(f"smooth must be odd (the width of an average pool centred on each candidate), got {smooth}")
     h_kv, d = keys.shape[1], keys.shape[-1]
     q = rearrange(queries.float(), "b (h g) w d -> b h (g w) d", h=h_kv)
     logits = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(1.0 / (math.sqrt(d) * temperature))
