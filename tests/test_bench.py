@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -190,20 +191,22 @@ def test_committed_results_still_summarise_and_render():
     [
         (["--methods", "dense,nope"], "methods: unknown method 'nope'"),
         (["--budget", "64", "--window", "64"], "window must be smaller than budget"),
-        (["--tokens", "0,64"], "tokens must be positive"),
-        (["--tokens", "64,abc"], "tokens must be comma-separated ints"),
-        (["--batch", "0"], "batch must be positive"),
+        (["--tokens", "0,64"], r"argument --tokens: each of the comma-separated values must be an int in \[1, "),
+        (["--tokens", "64,abc"], "argument --tokens: .*got 'abc'"),
+        (["--batch", "0"], r"argument --batch: each of the comma-separated values must be an int in \[1, "),
         (["--tokens", "100,120", "--window", "16", "--budget", "64"], "tokens: consecutive lengths"),
         (["--model", "shape:nope"], "model: unknown shape"),
     ],
 )
-def test_bad_options_fail_before_any_work(tmp_path, monkeypatch, options, message):
+def test_bad_options_fail_before_any_work(tmp_path, monkeypatch, capsys, options, message):
     import vasepatch.bench.runner as runner
 
     monkeypatch.setattr(runner, "run_benchmark", lambda *a, **k: pytest.fail("the benchmark started"))
     out = tmp_path / "never"
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(SystemExit) as exit_info:
         main(["bench", *options, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and re.search(message, err), err
     assert not out.exists()
 
 

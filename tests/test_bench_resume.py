@@ -5,6 +5,7 @@ never asserted."""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -76,7 +77,16 @@ def test_every_segment_is_saved_and_resume_runs_only_the_missing_ones(tmp_path, 
     assert sum(calls.values()) == 0 and len(json.loads((out / "bench.json").read_text())["resumed"]) == 2
 
 
-def test_resume_refuses_changed_settings_and_reuses_the_stored_ones(tmp_path):
+def _exit_2(argv: list[str], capsys) -> str:
+    """The one line `main(argv)` prints before it exits with status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("vasepatch: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_resume_refuses_changed_settings_and_reuses_the_stored_ones(tmp_path, capsys):
     from vasepatch.bench.cli import settings_from_args
     from vasepatch.cli import build_parser
 
@@ -85,10 +95,12 @@ def test_resume_refuses_changed_settings_and_reuses_the_stored_ones(tmp_path):
     stored = tiny_settings(skip=["dense@2"], out=str(out))
     (out / "bench.json").write_text(json.dumps({"settings": stored.to_dict(), "segments": []}))
     for option, value, key in [("--budget", "32", "budget"), ("--methods", "dense", "methods"), ("--skip", "", "skip")]:
-        with pytest.raises(SystemExit, match=f"resume: setting '{key}' differs"):
-            main(["bench", "--resume", str(out), option, value, "--threads", "1"])
-    with pytest.raises(SystemExit, match="resume: cannot read"):
-        main(["bench", "--resume", str(tmp_path / "missing"), "--threads", "1"])
+        err = _exit_2(["bench", "--resume", str(out), option, value, "--threads", "1"], capsys)
+        assert f"resume: setting '{key}': stored " in err and "differs from" in err
+    err = _exit_2(["bench", "--resume", str(out), "--budget", "32", "--window", "8", "--threads", "1"], capsys)
+    assert "resume: settings differ from" in err and "'budget': stored 16, given 32; 'window': stored 4, given 8" in err
+    err = _exit_2(["bench", "--resume", str(tmp_path / "missing"), "--threads", "1"], capsys)
+    assert "does not exist; --resume takes the folder of a bench run" in err
     args = build_parser().parse_args(["bench", "--resume", str(out), "--budget", "16", "--threads", "1"])
     settings, previous = settings_from_args(args)
     assert settings.to_dict() == stored.to_dict() and previous["segments"] == []
@@ -175,9 +187,69 @@ def test_ratio_to_floor_picks_the_compiled_floor_for_compiled_methods():
         ("dense@1:x", "skip: 'dense@1:x' is not"),
     ],
 )
-def test_bad_skip_fails_before_any_work(tmp_path, skip, message):
+def test_bad_skip_fails_before_any_work(tmp_path, skip, message, capsys):
     out = tmp_path / "never"
     argv = ["bench", "--methods", "dense,vase", "--batch", "1,2", "--tokens", "1024,2048", "--skip", skip]
-    with pytest.raises(SystemExit, match=message):
-        main([*argv, "--out", str(out)])
+    assert message in _exit_2([*argv, "--out", str(out)], capsys)
     assert not out.exists()
+
+
+def _stored() -> dict:
+    """A valid partial bench.json of the tiny settings: one warm-up, one segment, one error."""
+    settings = tiny_settings().to_dict()
+    segment = {"method": "dense", "batch": 1, "length": 16, "repeat": 0, "tok_s": 10.0, "kv_bytes": 1, "peak_bytes": 2,
+               "eviction_share": None, "evicting_steps": 0, "graphs": 0}  # fmt: skip
+    warmup = {"method": "dense", "batch": 1, "prefill_s": 0.1, "warmup_s": 0.2, "graphs": 0}
+    error = {"method": "vase", "batch": None, "stage": "load", "error": "boom"}
+    return {"settings": settings, "methods": {"dense": {}}, "warmups": [warmup], "segments": [segment],
+            "errors": [error], "wall_s": 1.0, "complete": False, "started": "2026", "resumed": []}  # fmt: skip
+
+
+def _broken(change) -> str:
+    result = _stored()
+    change(result)
+    return json.dumps(result)
+
+
+# Issue 21, item 8: each of these gave a traceback (or exit status 1); now one line naming the file and the field
+CORRUPT = [
+    ("[1, 2]", r"the top level must be a JSON object, got a list"),
+    ("{}", r'the top level lacks "settings"'),
+    ('{"settings": "x"}', r'"settings" must be an object, got a string'),
+    ("{oops", r"is not valid JSON \(line 1 column 2: Expecting property name"),
+    (_broken(lambda r: r["settings"].update(methods=["vase", 5])), r"settings.methods\[1\] must be a string, got 5"),
+    (_broken(lambda r: r["settings"].update(budget="16")), r"settings.budget must be an int, got a string"),
+    (_broken(lambda r: r["settings"].update(tokens=16)), r"settings.tokens must be a list of ints, got 16"),
+    (_broken(lambda r: r["settings"].update(colour="red")), r"settings has unknown key\(s\) 'colour'"),
+    (_broken(lambda r: r["settings"].update(budget=1)), r"its settings are not valid: budget must be an int >= 2"),
+    (_broken(lambda r: r.update(segments="x")), r'"segments" must be a list, got a string'),
+    (_broken(lambda r: r.update(segments=[{}])), r"segments\[0\] lacks 'method', 'batch', 'length', 'repeat'"),
+    (_broken(lambda r: r["segments"][0].update(tok_s=None)), r"segments\[0\].tok_s must be a number, got null"),
+    (_broken(lambda r: r.update(warmups=None)), r'"warmups" must be a list, got null'),
+    (_broken(lambda r: r.update(warmups=[{}])), r"warmups\[0\] lacks 'method', 'batch'"),
+    (_broken(lambda r: r.update(errors=[5])), r"errors\[0\] must be an object, got 5"),
+    (_broken(lambda r: r.update(methods=["vase"])), r'"methods" must be an object of method name -> object'),
+    (_broken(lambda r: r.update(wall_s="1")), r'"wall_s" must be a number, got a string'),
+    (_broken(lambda r: r.update(resumed=None)), r'"resumed" must be a list of strings, got null'),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), CORRUPT, ids=[m[:40] for _, m in CORRUPT])
+def test_a_corrupt_bench_json_is_refused_in_one_line_and_left_as_it_was(tmp_path, monkeypatch, capsys, text, message):
+    import vasepatch.bench.runner as runner
+
+    monkeypatch.setattr(runner, "run_benchmark", lambda *a, **k: pytest.fail("the benchmark started"))
+    (tmp_path / "bench.json").write_text(text)
+    before = (tmp_path / "bench.json").stat().st_mtime_ns
+    err = _exit_2(["bench", "--resume", str(tmp_path), "--threads", "1", "--no-progress"], capsys)
+    assert err.startswith(f"vasepatch: error: resume: {tmp_path / 'bench.json'}") and re.search(message, err), err
+    assert (tmp_path / "bench.json").read_text() == text and (tmp_path / "bench.json").stat().st_mtime_ns == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
+
+
+def test_a_valid_stored_result_passes_the_checks(tmp_path):
+    from vasepatch.bench import resume
+
+    (tmp_path / "bench.json").write_text(json.dumps(_stored()))
+    path, result = resume.read(str(tmp_path))
+    assert path == tmp_path / "bench.json" and result["segments"] == _stored()["segments"]

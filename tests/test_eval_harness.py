@@ -7,6 +7,8 @@ import argparse
 import importlib.util
 import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,8 @@ from tests.conftest import ragged_batch
 from tests.tiny_models import VOCAB, tiny_config
 from tests.tiny_tokenizer import tiny_tokenizer
 from vasepatch import VaSEConfig, cli, policies
-from vasepatch.eval import answers, data, fidelity, options, progress, task
+from vasepatch.cli_args import install_hint
+from vasepatch.eval import answers, data, fidelity, grading, options, progress, task
 from vasepatch.eval.forcing import prompt_positions, teacher_force
 
 # K and V bytes per slot (row, all layers and KV heads) of the tiny fp32 Qwen3 the CLI tests save
@@ -212,6 +215,31 @@ def test_eval_task_cli_end_to_end_and_resume(tiny_dir, monkeypatch, capsys):
     for other in (["--budget", "20"], ["--prefill", "keep"], ["--temperature", "0.5"], ["--sample-temperature", "0"]):
         with pytest.raises(ValueError, match="other settings"):
             cli.run([*args, *other])
+    _resume_with_other_settings_is_refused_before_the_model_loads(args, out, monkeypatch, capsys)
+
+
+def _resume_with_other_settings_is_refused_before_the_model_loads(args, out, monkeypatch, capsys):
+    """Issue 21, item 9: the refusal came after the model loaded and `full` was resumed, on the progress
+    bar's line, listing 17 keys. Now: before the model loads, one line of its own, the differing keys."""
+    _missing_model_should_not_load(monkeypatch)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*args, "--budget", "20"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"vasepatch: error: {out / 'gsm8k-vase.jsonl'} holds answers of other settings: budget was 16, now 20; "
+        "protect was 4, now 5 (resume only with the same settings, or choose another --out)\n"
+    )
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--window", "2", "--top-p", "0.5"])
+    err = capsys.readouterr().err
+    assert err.startswith(f"vasepatch: error: {out / 'gsm8k-full.jsonl'} holds answers of other settings: ")
+    assert "top_p was 0.95, now 0.5" in err and "window" not in err and err.count("\n") == 1  # full has no window
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--window", "2"])
+    assert "gsm8k-vase.jsonl holds answers of other settings: window was 4, now 2 (resume" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # nothing touched
 
 
 def _records(out, policy: str) -> list[dict]:
@@ -265,7 +293,9 @@ def test_eval_rejects_bad_settings_before_loading(tiny_dir):
     with pytest.raises(ValueError, match="window must be smaller than budget"):
         cli.run(["eval", "fidelity", "--budget", "8", "--window", "8", "--model", "/nonexistent"])
     with pytest.raises(ValueError, match="depths must lie in"):
-        cli.run(["eval", "task", "--task", "passkey", "--depths", "0,1.5", "--model", "/nonexistent"])
+        task.TaskSettings(task="passkey", depths=[0, 1.5])
+    with pytest.raises(ValueError, match="sample_temperature >= 0"):
+        task.TaskSettings(sample_temperature=float("nan"))
     with pytest.raises(ValueError, match="seeded config"):
         task.TaskSettings(config=VaSEConfig(budget=64, window=8))
 
@@ -318,8 +348,61 @@ def test_missing_eval_extras_fail_before_the_model_loads(tmp_path, monkeypatch, 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tqdm" else real(name, *a))
     for command in (["fidelity"], ["task", "--task", "passkey"]):
-        with pytest.raises(progress.MissingExtraError, match=r'tqdm, not installed: pip install "vasepatch\[eval\]"'):
+        with pytest.raises(progress.MissingExtraError, match=r"tqdm, not installed: pip install "):
             cli.run(["eval", *command, "--out", str(tmp_path / "o")])
     with pytest.raises(SystemExit) as exit_:  # the command line: one line, no traceback
         cli.main(["eval", "fidelity", "--out", str(tmp_path / "o")])
-    assert exit_.value.code == 2 and 'pip install "vasepatch[eval]"' in capsys.readouterr().err
+    assert exit_.value.code == 2 and f"not installed: {install_hint('eval')}\n" in capsys.readouterr().err
+
+
+def test_install_hint_says_editable_from_a_checkout_and_the_package_otherwise(tmp_path, monkeypatch):
+    """Issue 21, item 10f: from a git clone `pip install "vasepatch[eval]"` names a package not on the index."""
+    from vasepatch import errors
+
+    checkout, wheel = tmp_path / "clone", tmp_path / "site-packages"
+    for root in (checkout, wheel):
+        (root / "vasepatch").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text('[project]\nname = "vasepatch"\n')
+    (wheel / "pyproject.toml").write_text('[project]\nname = "other"\n')  # another project's file
+    monkeypatch.chdir(checkout)
+    assert errors.install_hint("eval", checkout / "vasepatch") == 'pip install -e ".[eval]"'
+    assert errors.install_hint("eval", wheel / "vasepatch") == 'pip install "vasepatch[eval]"'
+    assert errors.install_hint("gpu", tmp_path / "x" / "vasepatch") == 'pip install "vasepatch[gpu]"'
+    monkeypatch.chdir(tmp_path)
+    assert errors.install_hint("eval", checkout / "vasepatch") == f'pip install -e "{checkout}[eval]"'
+    # this copy runs from the repository: the hint every command prints is the editable one
+    repository = Path(errors.__file__).resolve().parents[1]
+    monkeypatch.chdir(repository)
+    assert install_hint("eval") == 'pip install -e ".[eval]"'
+    assert errors.source_tree() == repository
+
+
+def test_math500_results_say_how_they_were_graded(tmp_path, make_model, monkeypatch, capsys):
+    """Issue 21, item 10e: without math-verify, MATH-500 was graded by string only, silently."""
+    model = make_model("qwen3")
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer(VOCAB).save_pretrained(tmp_path / "model")
+    (tmp_path / "data" / "math500").mkdir(parents=True)
+    (tmp_path / "data" / "math500" / "test.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # not installed
+    assert grading.method("math500") == grading.STRING_ONLY and grading.method("gsm8k") == "numeric"
+    out = tmp_path / "o"
+    args = ["eval", "task", "--task", "math500", "--model", str(tmp_path / "model"), "--policies", "full",
+            "--max-new-tokens", "4", "--data-dir", str(tmp_path / "data"), "--out", str(out)]  # fmt: skip
+    assert cli.run(args) == 0
+    printed = capsys.readouterr()
+    assert "math-verify is not installed, so MATH-500 answers are graded by normalised string" in printed.err
+    assert f"grading={grading.STRING_ONLY}" in printed.out
+    assert json.loads((out / "math500.json").read_text())["config"]["grading"] == grading.STRING_ONLY
+    assert f"grading={grading.STRING_ONLY}" in (out / "math500.md").read_text()
+    assert _records_of(out / "math500-full.jsonl")[0]["grading"] == grading.STRING_ONLY
+    monkeypatch.delitem(sys.modules, "math_verify")
+    if grading.has_math_verify():  # resumed with math-verify installed: the answers say how they were graded
+        assert cli.run(args) == 0
+        assert json.loads((out / "math500.json").read_text())["config"]["grading"] == grading.STRING_ONLY
+    assert grading.describe([grading.MATH_VERIFY, grading.STRING_ONLY, None]).startswith("mixed: 1 answers by")
+
+
+def _records_of(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]

@@ -171,3 +171,37 @@ def test_fewer_samples_than_depths_leave_no_nan_in_the_summary():
     assert rows[0]["n"] == 4 and rows[0]["accuracy"] == 0.5
     assert [r["depth"] for r in by_depth] == [0, 0.25, 0.5, 0.75]
     assert "NaN" not in json.dumps([*rows, *by_depth])
+
+
+def test_a_context_longer_than_the_model_takes_is_refused_before_the_weights_load(monkeypatch, capsys):
+    """Issue 21, item 7: `--context-lengths 100000` on SmolLM2 (8,192 positions) prefilled for minutes; now it
+    is refused from the model's config.json, before the weights load."""
+    from vasepatch import models
+
+    try:
+        models.smollm2_gguf()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the weights loaded"))
+    argv = ["eval", "task", "--task", "passkey", "--model", "smollm2-135m", "--context-lengths", "1024,100000"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--out", "never-written"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "vasepatch: error: --context-lengths 100000 with --max-new-tokens 12 needs 100012 positions, more than the "
+        "8192 that smollm2-135m takes (its max_position_embeddings); lower it to fit\n"
+    )
+
+
+def test_the_prompt_actually_built_is_checked_against_the_loaded_model(model_dir, tmp_path):
+    """A prompt whose tokens (plus the answer) overrun the positions is refused before any prefill, also when
+    the model is given (no config to read first)."""
+    from vasepatch import models
+
+    model, tok = models.load(str(model_dir))
+    model.config.max_position_embeddings = 300
+    settings = TaskSettings(task="passkey", context_lengths=[300], samples=1, out=str(tmp_path / "o"))
+    message = r"pass-key prompt \(\d+ tokens\) with --max-new-tokens 12 needs \d+ positions, more than the 300 "
+    with pytest.raises(ValueError, match=message):
+        passkey.run(settings, model, tok)
+    assert not (tmp_path / "o").exists()

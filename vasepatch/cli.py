@@ -1,9 +1,10 @@
 """The `vasepatch` command line.
 
 Every command takes `--threads` (torch CPU threads, default one per physical core, see
-`vasepatch.threads`) and `--debug`. A user error (a bad setting, a missing file) ends the
-command with one line, `vasepatch: error: <message>`, and exit status 2; `--debug` or
-`VASEPATCH_DEBUG=1` shows the traceback instead.
+`vasepatch.threads`) and `--debug`. A user error (a bad flag or value, an argument that is not
+UTF-8, a missing or unwritable file) ends the command with one line, `vasepatch: error: <message>`,
+and exit status 2, before any work (before the model loads); `--debug` or `VASEPATCH_DEBUG=1` shows
+the traceback of the errors found after parsing instead.
 """
 
 from __future__ import annotations
@@ -15,25 +16,34 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from vasepatch import __version__, demo, generate, threads
+from vasepatch import __version__, cli_args, demo, generate, threads
 from vasepatch.bench import cli as bench
 from vasepatch.eval import fidelity, task
 
-USER_ERRORS = (ValueError, FileNotFoundError)
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 """What a command raises for bad input. `vasepatch.errors.UnsupportedModelError` and the data
-errors are `ValueError`s."""
+errors are `ValueError`s; a path that cannot be read or written raises one of the `OSError`s."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose usage errors are one line on stderr, exit status 2:
+    `vasepatch: error: argument --budget: must be an int in [2, 2147483647], got 0 (see vasepatch generate --help)`."""
+
+    def error(self, message: str):
+        message = " ".join(line.strip() for line in message.splitlines() if line.strip())
+        self.exit(2, f"vasepatch: error: {message} (see {self.prog} --help)\n")
 
 
 def _common_options() -> argparse.ArgumentParser:
     """Options every command takes (an argparse parent parser)."""
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     threads.add_option(common)
     common.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return common
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vasepatch", description="Fixed-size KV cache with VaSE eviction")
+    parser = Parser(prog="vasepatch", description="Fixed-size KV cache with VaSE eviction")
     parser.add_argument("--version", action="version", version=f"vasepatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     common = [_common_options()]
@@ -68,7 +78,13 @@ def run(argv: list[str] | None = None) -> int:
     """Parse `argv`, set torch's threads and run the command; errors propagate (see `main`).
     The previous thread count is restored afterwards, so in-process callers keep theirs."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    try:
+        cli_args.check_utf8(words)
+    except ValueError as err:
+        parser.exit(2, f"vasepatch: error: {err}\n")
+    args = parser.parse_args(argv)
     previous = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from vasepatch import models
+from vasepatch.cli_args import device, int_in, number_in, read_utf8, seed
 from vasepatch.config import PREFILL_MODES, VaSEConfig
 from vasepatch.streaming import LiveOutput, TokenStreamer, full_cache_bytes, human_bytes
-from vasepatch.threads import positive_int
 
 MODEL_HELP = (
     f"a registered name ({', '.join(models.available())}), an HF directory, a .gguf file or a Hub id (org/name)"
@@ -28,36 +28,48 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = " (default: %(default)s)"
-    p.add_argument("prompt", help="the prompt; - reads it from stdin")
+    p.add_argument("prompt", help="the prompt; - reads it from stdin (UTF-8)")
     p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP + d)
-    p.add_argument("--budget", type=int, default=256, help="KV pairs kept per layer and head after each eviction" + d)
-    p.add_argument("--window", type=int, default=64, help="recent tokens always kept; evicts every WINDOW tokens" + d)
+    p.add_argument(
+        "--budget", type=int_in(2), default=256, help="KV pairs kept per layer and head after each eviction" + d
+    )
+    p.add_argument(
+        "--window", type=int_in(1), default=64, help="recent tokens always kept; evicts every WINDOW tokens" + d
+    )
     p.add_argument("--policy", default="vase", help="selection policy, see vasepatch.policies.available()" + d)
-    p.add_argument("--protect", type=int, default=None, help="protected slots (default: budget // 4)")
-    p.add_argument("--sinks", type=int, default=4, help="first tokens always kept" + d)
+    p.add_argument("--protect", type=int_in(0), default=None, help="protected slots (default: budget // 4)")
+    p.add_argument("--sinks", type=int_in(0), default=4, help="first tokens always kept" + d)
     p.add_argument("--prefill", choices=PREFILL_MODES, default="compress", help="compress or keep a long prompt" + d)
-    p.add_argument("--seed", type=int, default=0, help="seeds VaSE's eviction sampling and --temperature sampling" + d)
-    p.add_argument("--max-new-tokens", type=positive_int, default=512, help="stop after this many tokens" + d)
+    p.add_argument("--seed", type=seed, default=0, help="seeds VaSE's eviction sampling and --temperature sampling" + d)
+    p.add_argument("--max-new-tokens", type=int_in(1), default=512, help="stop after this many tokens" + d)
     p.add_argument(
         "--temperature",
         "--sample-temperature",
         dest="temperature",
-        type=float,
+        type=number_in(0, what="0 = greedy"),
         default=0.0,
         help="sampling temperature, 0 = greedy; the eval commands call it --sample-temperature" + d,
     )
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, with --temperature > 0" + d)
-    p.add_argument("--repetition-penalty", type=float, default=1.1, help="1.0 = none" + d)
+    p.add_argument(
+        "--top-p",
+        type=number_in(0, 1, lo_open=True),
+        default=1.0,
+        help="nucleus sampling mass, with --temperature > 0" + d,
+    )
+    p.add_argument(
+        "--repetition-penalty", type=number_in(0, lo_open=True, what="1.0 = none"), default=1.1, help="1.0 = none" + d
+    )
     p.add_argument("--raw", action="store_true", help="feed the prompt as it is, without the chat template")
     p.add_argument("--compare", action="store_true", help="generate again with the full cache and compare")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N" + d)
+    p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N" + d)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and KV cache dtype" + d)
 
 
 def read_prompt(text: str, stdin: Any = None) -> str:
-    """The prompt argument, or stdin's content for `-`; an empty prompt is an error."""
+    """The prompt argument, or stdin's content for `-` (its bytes must be UTF-8: a `ValueError` names the
+    first byte that is not, and its offset); an empty prompt is an error."""
     if text == "-":
-        text = (stdin or sys.stdin).read()
+        text = read_utf8(stdin or sys.stdin, "the prompt on stdin")
     if not text.strip():
         raise ValueError("prompt is empty (pass the text, or - and the text on stdin)")
     return text

@@ -64,13 +64,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+MAX_THREADS = 1024
+"""The most `--threads` takes: more only adds oversubscription (and past 2**31 - 1 torch overflows)."""
+
+
+def thread_count(text: str) -> int:
+    """argparse type of `--threads`: an int in [1, `MAX_THREADS`]."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1 and <= {MAX_THREADS}, got {text!r}") from None
+    if not 1 <= value <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1 and <= {MAX_THREADS}, got {value}")
+    return value
+
+
 def add_option(parser: argparse.ArgumentParser) -> None:
     """Add `--threads N` (default `default_threads()`, shown in `--help`)."""
     n = default_threads()
     source = "$OMP_NUM_THREADS" if _omp_num_threads() else "physical cores"
     parser.add_argument(
         "--threads",
-        type=positive_int,
+        type=thread_count,
         default=n,
         metavar="N",
         help=f"torch CPU threads (default: {n}, the {source}; fewer when other processes share the cores)",

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
+from vasepatch.bench import resume
 from vasepatch.bench.settings import DTYPES, ISOLATION, MASKS, Settings
+from vasepatch.cli_args import device, folder_problem, int_in, int_list, output_dir, seed
 
 # `--quick`: a smoke run of about a minute on 2 CPU cores (SmolLM2-135M); explicit options win.
 QUICK: dict[str, Any] = {"tokens": [256, 512], "budget": 128, "window": 32, "batch": [1], "repeats": 1}
-
-
-def _int_list(name: str, text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{name} must be comma-separated ints, got {text!r}") from None
 
 
 def _csv(values: list[int]) -> str:
@@ -27,28 +21,32 @@ def _csv(values: list[int]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Settings()  # every option defaults to None: `--resume` tells given options from omitted ones
     p.add_argument("--model", default=None, help=f"registered name, HF directory, .gguf file or shape:NAME ({d.model})")
-    p.add_argument("--tokens", default=None, help=f"generated lengths to time at (default {_csv(d.tokens)})")
-    p.add_argument("--budget", type=int, default=None, help=f"vasepatch/kvpress budget (default {d.cache.budget})")
-    p.add_argument("--window", type=int, default=None, help=f"eviction window (default {d.cache.window})")
-    p.add_argument("--batch", default=None, help=f"batch sizes (default {_csv(d.batch)})")
+    p.add_argument(
+        "--tokens", type=int_list(1), default=None, help=f"generated lengths to time at (default {_csv(d.tokens)})"
+    )
+    p.add_argument(
+        "--budget", type=int_in(2), default=None, help=f"vasepatch/kvpress budget (default {d.cache.budget})"
+    )
+    p.add_argument("--window", type=int_in(1), default=None, help=f"eviction window (default {d.cache.window})")
+    p.add_argument("--batch", type=int_list(1), default=None, help=f"batch sizes (default {_csv(d.batch)})")
     p.add_argument(
         "--methods",
         default=None,
         help=f"dense, static, floor, kvpress or policy names, each optionally +compile (default {','.join(d.methods)})",
     )
-    p.add_argument("--prompt-len", type=int, default=None, help=f"random prompt tokens (default {d.prompt_len})")
-    p.add_argument("--repeats", type=int, default=None, help=f"timed segments per length (default {d.repeats})")
-    p.add_argument("--steps", type=int, default=None, help="timed decode steps per segment (default: window)")
+    p.add_argument("--prompt-len", type=int_in(1), default=None, help=f"random prompt tokens (default {d.prompt_len})")
+    p.add_argument("--repeats", type=int_in(1), default=None, help=f"timed segments per length (default {d.repeats})")
+    p.add_argument("--steps", type=int_in(1), default=None, help="timed decode steps per segment (default: window)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--device", default=None, help=f"cpu or cuda[:N] (default {d.device})")
-    p.add_argument("--seed", type=int, default=None, help="seeds the prompts, shape: weights, VaSE sampling (0)")
+    p.add_argument("--device", type=device, default=None, help=f"cpu or cuda[:N] (default {d.device})")
+    p.add_argument("--seed", type=seed, default=None, help="seeds the prompts, shape: weights, VaSE sampling (0)")
     p.add_argument("--isolate", choices=ISOLATION, default=None, help="worker process per method (CPU default)")
     p.add_argument("--mask", choices=MASKS, default=None, help="attention mask of ones: auto = eager methods only")
     p.add_argument("--skip", default=None, help="rows not to run: method@batch[:length], comma-separated")
     quick = " ".join(f"--{k} {_csv(v) if isinstance(v, list) else v}" for k, v in QUICK.items())
     p.add_argument("--quick", action="store_true", help=f"smoke run (about a minute): {quick}, unless given")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--out", default=None, help=f"output folder (default {d.out})")
+    p.add_argument("--out", type=output_dir, default=None, help=f"output folder (default {d.out})")
     p.add_argument(
         "--resume",
         metavar="DIR",
@@ -61,7 +59,7 @@ def given_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The settings the options give explicitly (`--quick`'s preset included), as `Settings.to_dict` keys."""
     given: dict[str, Any] = {k: v for k, v in QUICK.items() if args.quick}
     lists = {"tokens": args.tokens, "batch": args.batch}
-    given.update({k: _int_list(k, v) for k, v in lists.items() if v is not None})
+    given.update({k: v for k, v in lists.items() if v is not None})
     if args.methods is not None:
         given["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.skip is not None:
@@ -74,20 +72,22 @@ def given_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load_resumed(directory: str, given: dict[str, Any]) -> dict[str, Any]:
-    """`DIR/bench.json`, checked against the `given` settings (`ValueError` names a differing one)."""
-    path = Path(directory) / "bench.json"
+    """`DIR/bench.json`, its structure checked (`vasepatch.bench.resume`) and its settings checked against the
+    `given` ones: a one-line `ValueError` naming the file and what is wrong, or the setting that differs."""
+    path, previous = resume.read(directory)
+    stored = previous["settings"]
+    differ = [key for key, value in given.items() if stored.get(key) != value]
+    if differ:
+        shown = "; ".join(f"{key!r}: stored {stored.get(key)!r}, given {given[key]!r}" for key in differ)
+        raise ValueError(
+            f"resume: setting {shown} differs from {path} (omit the option to keep the stored value)"
+            if len(differ) == 1
+            else f"resume: settings differ from {path}: {shown} (omit the options to keep the stored values)"
+        )
     try:
-        previous = json.loads(path.read_text())
-        stored = previous["settings"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"resume: cannot read a bench result from {path}: {err}") from None
-    stored.setdefault("skip", [])
-    for key, value in given.items():
-        if stored.get(key) != value:
-            raise ValueError(
-                f"resume: setting {key!r} differs from {path}: stored {stored.get(key)!r}, given {value!r} "
-                "(omit the option to keep the stored value)"
-            )
+        Settings.from_dict({**stored, "out": directory, "progress": False})
+    except ValueError as err:
+        raise ValueError(f"resume: {path}: its settings are not valid: {err}") from None
     return previous
 
 
@@ -111,11 +111,11 @@ def main(args: argparse.Namespace) -> None:
     from vasepatch.bench import report
     from vasepatch.bench.runner import run_benchmark
 
-    try:
-        settings, previous = settings_from_args(args)
-    except ValueError as err:
-        raise SystemExit(f"vasepatch bench: error: {err}") from None
+    settings, previous = settings_from_args(args)  # a ValueError: one line, exit status 2 (vasepatch.cli)
     out = Path(settings.out)
+    problem = folder_problem(str(out))  # the folder of a resumed run too
+    if problem:
+        raise ValueError(f"output folder: {problem}")
     result = run_benchmark(settings, previous=previous, save=lambda partial: report.save(partial, out))
     paths = report.write(result, out)
     print(report.markdown(result))

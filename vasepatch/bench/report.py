@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vasepatch.cli_args import install_hint
 from vasepatch.eval import style
 from vasepatch.eval.report import markdown_table
 
@@ -176,5 +177,5 @@ def write(result: dict[str, Any], out: Path) -> list[Path]:
     if result["results"] and importlib.util.find_spec("matplotlib") is not None:  # the `eval` extra brings it
         paths += plot(result, out)
     elif result["results"]:
-        print('plots skipped: matplotlib is not installed (pip install "vasepatch[eval]")', file=sys.stderr)
+        print(f"plots skipped: matplotlib is not installed ({install_hint('eval')})", file=sys.stderr)
     return paths

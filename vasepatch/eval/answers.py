@@ -106,28 +106,54 @@ def legacy_key(key: dict[str, Any]) -> dict[str, Any]:
 
 def _written_key(written: Any) -> dict[str, Any] | None:
     try:
-        return legacy_key(json.loads(written))
+        key = json.loads(written)
     except (TypeError, ValueError):
         return None
+    return legacy_key(key) if isinstance(key, dict) else None
 
 
-def load(path: Path, key: dict[str, Any], ident: Callable[[dict[str, Any]], Hashable]) -> dict[Hashable, dict]:
-    """The records of `path` by `ident(record)`; `ValueError` if one was written with another key."""
+def key_difference(old: dict[str, Any] | None, new: dict[str, Any], ignore: tuple[str, ...] = ()) -> str:
+    """The settings in which run key `old` (as written in a file) differs from `new`, old and new value each:
+    `budget was 256, now 128; window was 64, now 32`."""
+    if not isinstance(old, dict):
+        return f"its records carry no readable settings ({old!r})"
+    keys = [k for k in dict.fromkeys([*old, *new]) if k not in ignore]
+    missing = object()
+    parts = []
+    for k in keys:
+        a, b = old.get(k, missing), new.get(k, missing)
+        if a != b:
+            was = "(not set)" if a is missing else repr(a)
+            now = "(not set)" if b is missing else repr(b)
+            parts.append(f"{k} was {was}, now {now}")
+    return "; ".join(parts)
+
+
+def load(
+    path: Path, key: dict[str, Any], ident: Callable[[dict[str, Any]], Hashable], ignore: tuple[str, ...] = ()
+) -> dict[Hashable, dict]:
+    """The records of `path` by `ident(record)`; `ValueError` naming the differing settings (old and new values)
+    if one was written with another key. `ignore`: keys not compared (e.g. `model_class` before the model loads)."""
     records: dict[Hashable, dict] = {}
     if not path.is_file():
         return records
-    for line in path.read_text().splitlines():
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot be read to resume ({err}); choose another --out") from None
+    wanted = {k: v for k, v in key.items() if k not in ignore}
+    for line in text.splitlines():
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by an interruption: that item is run again
-        written = record.get("run")
-        if _written_key(written) != key:
+        written = _written_key(record.get("run")) if isinstance(record, dict) else None
+        if written is None or {k: v for k, v in written.items() if k not in ignore} != wanted:
             raise ValueError(
-                f"{path} holds results of other settings ({written}); resume only with the same settings, "
-                "or choose another --out"
+                f"{path} holds answers of other settings: {key_difference(written, key, ignore)} "
+                "(resume only with the same settings, or choose another --out)"
             )
         records[ident(record)] = record
     return records

@@ -53,6 +53,8 @@ def data_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     for value, origin in ((explicit, "--data-dir"), (os.environ.get(ENV_VAR), f"${ENV_VAR}")):
         if value is None or str(value) == "":
             continue
+        if Path(value).exists() and not Path(value).is_dir():
+            raise DataError(f"data folder {value} (from {origin}) is a file, not a folder")
         if not Path(value).is_dir():
             raise DataNotFoundError(f"data folder {value} (from {origin}) does not exist")
         return Path(value)
@@ -89,6 +91,8 @@ def read_jsonl(path: Path, name: str = "") -> list[Example]:
             lines = list(f)  # splits at newlines only (str.splitlines would also split at U+2028 in a string)
     except FileNotFoundError:
         raise DataNotFoundError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise DataError(f"{path}: is a folder, not a file") from None
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except OSError as e:
@@ -117,6 +121,8 @@ def load_examples(spec: str, directory: str | os.PathLike[str] | None = None) ->
         examples = read_jsonl(path, source)
     else:
         path = Path(source)
+        if path.is_dir():
+            raise DataError(f"prompts {spec!r}: {path} is a folder; expected a .jsonl file")
         if not path.is_file():
             raise DataError(f"prompts {spec!r}: expected {'/'.join(DATASETS)}[:N] or an existing .jsonl file")
         examples = read_jsonl(path)

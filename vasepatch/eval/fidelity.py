@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 import vasepatch
+from vasepatch.cli_args import check_positions, int_in, max_positions, number_in, output_dir
 from vasepatch.config import FULL, VaSEConfig
 from vasepatch.eval import data, metrics, options, plots, probe, report
 from vasepatch.eval.forcing import teacher_force
@@ -75,7 +76,7 @@ class Settings:
             raise ValueError(f"tokens must be >= 2, got {self.tokens}")
         if self.batch_size < 1 or self.seeds < 1:
             raise ValueError(f"batch_size and seeds must be >= 1, got {self.batch_size}, {self.seeds}")
-        if not self.sample_temperature > 0:
+        if not 0 < self.sample_temperature < float("inf"):
             raise ValueError(
                 f"sample_temperature must be > 0 (the reference is sampled), got {self.sample_temperature}"
             )
@@ -225,6 +226,9 @@ def run_prompts(
     texts = data.chat_prompts(tokenizer, [e.question for e in examples])
     size = settings.batch_size
     batches = [data.encode(tokenizer, texts[i : i + size]) for i in range(0, len(texts), size)]
+    longest = max(ids.shape[1] for ids, _ in batches)
+    needed = {f"the longest prompt ({longest} tokens) with --tokens {settings.tokens}": longest + settings.tokens}
+    check_positions(settings.model, max_positions(model), needed)
     tally = _Tally(settings.policies)
     bar = Progress(len(texts) * (1 + len(settings.policies)), "prompt")
     for b, (ids, mask) in enumerate(batches):
@@ -248,6 +252,15 @@ def _read_inputs(settings: Settings) -> list[data.Example] | dict[str, Any]:
     return data.load_examples(settings.prompts, settings.data_dir)
 
 
+def _needed(settings: Settings, inputs: list[data.Example] | dict[str, Any]) -> dict[str, int]:
+    """The positions a run needs, known before tokenizing: the probe's whole sequence, or `--tokens` plus one
+    prompt token (the prompts' lengths are checked again once they are tokenized)."""
+    if settings.probe:
+        n = len(inputs["prompt_ids"]) + len(inputs["reference_tokens"])
+        return {f"the probe {settings.probe} ({n} tokens)": n}
+    return {f"--tokens {settings.tokens}": settings.tokens + 1}
+
+
 def run(settings: Settings, model=None, tokenizer=None, echo: bool = False) -> list[Path]:
     """Run the evaluation and write its outputs; returns their paths. The inputs and the
     `[eval]` extras are checked first, so a bad file fails in well under a second, before
@@ -257,7 +270,9 @@ def run(settings: Settings, model=None, tokenizer=None, echo: bool = False) -> l
     if model is None:
         from vasepatch import models
 
+        check_positions(settings.model, max_positions(settings.model), _needed(settings, inputs))
         model, tokenizer = models.load(settings.model)
+    check_positions(settings.model, max_positions(model), _needed(settings, inputs))
     out = Path(settings.out)
     if settings.probe:
         header, results = probe.run_probe(settings, model, inputs)
@@ -281,25 +296,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a probe JSON file (prompt ids, reference tokens, dense predictions); replaces --prompts",
     )
-    p.add_argument("--tokens", type=int, default=d.tokens, help="length of the sampled reference continuation")
+    p.add_argument("--tokens", type=int_in(2), default=d.tokens, help="length of the sampled reference continuation")
     options.add_cache_arguments(p, d.config, policies_default="all")
     options.add_shared_heads_argument(p)
     p.add_argument(
         "--sample-temperature",
         "--reference-temperature",
         dest="sample_temperature",
-        type=float,
+        type=number_in(0, lo_open=True, what="the reference is sampled"),
         default=d.sample_temperature,
         help="sampling temperature of the reference and the free runs",
     )
-    p.add_argument("--seeds", type=int, default=d.seeds, help="policy seeds per policy (probe only)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts per batch (left padded)")
+    p.add_argument("--seeds", type=int_in(1), default=d.seeds, help="policy seeds per policy (probe only)")
+    p.add_argument("--batch-size", type=int_in(1), default=d.batch_size, help="prompts per batch (left padded)")
     p.add_argument(
         "--data-dir",
         default=None,
         help="folder with gsm8k/ math500/ aime25/ (default: $VASEPATCH_DATA_DIR, else the data shipped with vasepatch)",
     )
-    p.add_argument("--out", default=d.out, help="folder for the JSON, markdown and PNG results")
+    p.add_argument("--out", type=output_dir, default=d.out, help="folder for the JSON, markdown and PNG results")
 
 
 def main(args: argparse.Namespace) -> None:

@@ -113,6 +113,36 @@ def grade_passkey(completion: str, key: str) -> tuple[str | None, bool]:
 
 
 GRADERS = {"gsm8k": grade_numeric, "aime25": grade_numeric, "math500": grade_math, "passkey": grade_passkey}
+METHODS = {"gsm8k": "numeric", "aime25": "numeric", "passkey": "exact key"}
+MATH_VERIFY = "math-verify, else normalised string"
+STRING_ONLY = "normalised string only (math-verify not installed)"
+
+
+def has_math_verify() -> bool:
+    """Whether `math_verify` can be imported (MATH answers are then checked symbolically)."""
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def method(task: str) -> str:
+    """How the answers of `task` are graded now: `numeric`, `exact key`, or for MATH-500 `MATH_VERIFY`
+    or `STRING_ONLY` (math-verify not installed: a symbolically equal answer in another form counts wrong)."""
+    if task == "math500":
+        return MATH_VERIFY if has_math_verify() else STRING_ONLY
+    return METHODS.get(task, "unknown")
+
+
+def describe(methods: list[str | None]) -> str:
+    """The grading of a set of answers (one method per answer; None: written before it was recorded)."""
+    counts: dict[str, int] = {}
+    for m in methods:
+        counts[m or "not recorded"] = counts.get(m or "not recorded", 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    return "mixed: " + "; ".join(f"{n} answers by {m}" for m, n in counts.items())
 
 
 def grade(task: str, completion: str, gold: str) -> tuple[str | None, bool]:

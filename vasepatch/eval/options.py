@@ -12,6 +12,7 @@ import argparse
 from typing import Any
 
 from vasepatch import policies
+from vasepatch.cli_args import MIN_TEMPERATURE, int_in, number_in, seed
 from vasepatch.config import FULL, PREFILL_MODES, VaSEConfig
 
 SHARED_HEADS = ("off", "on", "both")
@@ -121,28 +122,34 @@ def add_cache_arguments(p: argparse.ArgumentParser, defaults: VaSEConfig, polici
     """The flags of the cache settings (`VaSEConfig` fields) and `--policies`."""
     p.add_argument("--policies", default=policies_default, help="comma-separated policy names, or 'all' (full first)")
     p.add_argument(
-        "--budget", type=int, default=defaults.budget, help="KV slots kept per layer and head after each eviction"
+        "--budget", type=int_in(2), default=defaults.budget, help="KV slots kept per layer and head after each eviction"
     )
     p.add_argument(
         "--window",
-        type=int,
+        type=int_in(1),
         default=defaults.window,
         help="recent tokens never evicted; one eviction every window steps",
     )
     p.add_argument(
-        "--protect", type=int, default=defaults.protect, help="protected slots per eviction (default: budget // 4)"
+        "--protect",
+        type=int_in(0),
+        default=defaults.protect,
+        help="protected slots per eviction (default: budget // 4)",
     )
-    p.add_argument("--sinks", type=int, default=defaults.sinks, help="tokens at positions < sinks, always kept")
+    p.add_argument("--sinks", type=int_in(0), default=defaults.sinks, help="tokens at positions < sinks, always kept")
     p.add_argument(
         "--temperature",
         "--score-temperature",
         dest="temperature",
-        type=float,
+        type=number_in(MIN_TEMPERATURE),
         default=defaults.temperature,
         help="softmax temperature of the policies' attention scores (not the sampling temperature)",
     )
     p.add_argument(
-        "--smooth", type=int, default=defaults.smooth, help="width of the average pool over attention scores (1 = off)"
+        "--smooth",
+        type=int_in(1),
+        default=defaults.smooth,
+        help="width of the average pool over attention scores (1 = off)",
     )
     p.add_argument(
         "--prefill",
@@ -150,7 +157,7 @@ def add_cache_arguments(p: argparse.ArgumentParser, defaults: VaSEConfig, polici
         default=defaults.prefill,
         help="a prompt longer than the budget: compressed at prefill, or kept whole (the paper's setting)",
     )
-    p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the policies and of the sampling")
+    p.add_argument("--seed", type=seed, default=defaults.seed, help="seed of the policies and of the sampling")
 
 
 def add_shared_heads_argument(p: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vasepatch.cli_args import check_positions, max_positions
 from vasepatch.eval import answers, grading, haystack, metrics, plots, report
 from vasepatch.eval.progress import Progress
 
@@ -103,18 +104,30 @@ def run(settings: TaskSettings, model, tokenizer, echo: bool = False) -> list[Pa
     (`echo`: and prints the results table)."""
     work = batches(settings, tokenizer)
     per_policy = sum(len(b) for _, b in work)
+    longest = max(item.fields["prompt_tokens"] for _, batch in work for item in batch)
+    check_positions(
+        settings.model,
+        max_positions(model),
+        {
+            f"the longest pass-key prompt ({longest} tokens) with --max-new-tokens {settings.max_new_tokens}": longest
+            + settings.max_new_tokens
+        },
+    )
     bar = Progress(len(settings.policies) * per_policy, "prompt")
     results, by_depth = [], []
-    for name in settings.policies:
-        bar.phase(name, TASK)
-        run = settings.policy_run(name, model, make_record, ident=lambda r: (r["context_length"], r["index"]))
-        rows, depth_rows = summarise(name, answers.answer_all(run, model, tokenizer, work, bar), settings)
-        results += rows
-        by_depth += depth_rows
-    bar.close()
+    try:  # the bar ends its line before any error is printed
+        for name in settings.policies:
+            bar.phase(name, TASK)
+            run = settings.policy_run(name, model, make_record, ident=lambda r: (r["context_length"], r["index"]))
+            rows, depth_rows = summarise(name, answers.answer_all(run, model, tokenizer, work, bar), settings)
+            results += rows
+            by_depth += depth_rows
+    finally:
+        bar.close()
     title = "Pass-key retrieval accuracy"
     tables = {"by_depth": (by_depth, DEPTH_COLUMNS)}
     header = settings.header(model)
+    header["grading"] = grading.method(TASK)
     header["batch_size"] = min(settings.batch_size, settings.samples)  # a batch never mixes context lengths
     plot = plots.passkey_plot(results, by_depth, header)
     return report.write(Path(settings.out), TASK, header, results, COLUMNS, title, plot, tables=tables, echo=echo)

@@ -107,12 +107,18 @@ PROBE_KEYS = ("prompt_ids", "reference_tokens", "dense_predictions")
 def read(path: str | Path) -> dict[str, Any]:
     """The probe file, checked: a `data.DataError` (one line) if it is missing or malformed."""
     path = Path(path)
+    if path.is_dir():
+        raise data.DataError(f"probe file {path}: is a folder, not a file")
     if not path.is_file():
         raise data.DataNotFoundError(f"probe file {path}: no such file")
     try:
         probe = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise data.DataError(f"probe file {path}: not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
         raise data.DataError(f"probe file {path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise data.DataError(f"probe file {path}: cannot be read ({e.strerror})") from None
     if not isinstance(probe, dict):
         raise data.DataError(f"probe file {path}: expected a JSON object, got {type(probe).__name__}")
     for key in PROBE_KEYS:

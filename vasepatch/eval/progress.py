@@ -12,6 +12,8 @@ import importlib.util
 import time
 from collections.abc import Sequence
 
+from vasepatch.cli_args import install_hint
+
 EXTRAS = ("tqdm", "matplotlib")
 
 
@@ -25,7 +27,7 @@ def require_extras(packages: Sequence[str] = EXTRAS) -> None:
     missing = [p for p in packages if importlib.util.find_spec(p) is None]
     if missing:
         raise MissingExtraError(
-            f'the eval commands need {" and ".join(missing)}, not installed: pip install "vasepatch[eval]"'
+            f"the eval commands need {' and '.join(missing)}, not installed: {install_hint('eval')}"
         )
 
 

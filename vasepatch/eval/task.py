@@ -10,11 +10,22 @@ seeded by their index, so a resumed run draws what an uninterrupted one would).
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from vasepatch.cli_args import (
+    check_positions,
+    install_hint,
+    int_in,
+    int_list,
+    max_positions,
+    number_in,
+    number_list,
+    output_dir,
+)
 from vasepatch.config import FULL, VaSEConfig
 from vasepatch.eval import answers, data, grading, metrics, options, passkey, plots, report
 from vasepatch.eval.progress import Progress, require_extras
@@ -60,7 +71,7 @@ class TaskSettings:
         for name in ("limit", "samples", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.sample_temperature < 0 or not 0 < self.top_p <= 1:
+        if not 0 <= self.sample_temperature < float("inf") or not 0 < self.top_p <= 1:
             raise ValueError(
                 f"need sample_temperature >= 0 and 0 < top_p <= 1, got {self.sample_temperature}, {self.top_p}"
             )
@@ -135,6 +146,7 @@ def _record(task: str, item: answers.Item, completion: answers.Completion, text:
         **item.fields,
         "extracted": extracted,
         "correct": correct,
+        "grading": grading.method(task),
         "prompt_tokens": completion.prompt_tokens,
         "n_tokens": len(completion.tokens),
         "truncated": completion.truncated,
@@ -178,45 +190,76 @@ def run_math(settings: TaskSettings, model, tokenizer, examples: list[data.Examp
     per_policy = len(examples) * settings.samples
     bar = Progress(len(settings.policies) * per_policy, "answer")
     results, records = [], []
-    for name in settings.policies:
-        bar.phase(name, settings.task)
-        run = settings.policy_run(name, model, make_record, ident=lambda r: (r["id"], r["sample"]))
-        records += answers.answer_all(run, model, tokenizer, batches, bar)
-        results.append(summarise(name, records[-per_policy:]))
-    bar.close()
+    try:  # the bar ends its line before any error is printed
+        for name in settings.policies:
+            bar.phase(name, settings.task)
+            run = settings.policy_run(name, model, make_record, ident=lambda r: (r["id"], r["sample"]))
+            records += answers.answer_all(run, model, tokenizer, batches, bar)
+            results.append(summarise(name, records[-per_policy:]))
+    finally:
+        bar.close()
     title = f"Accuracy on {settings.task}"
     header = settings.header(model)
     header["problems"] = len(examples)
+    header["grading"] = grading.describe([r.get("grading") for r in records])
     used(settings, header, per_policy, records)
     plot = plots.task_plot(results, header)
     return report.write(Path(settings.out), settings.task, header, results, COLUMNS, title, plot, echo=echo)
 
 
+def check_resume(settings: TaskSettings, model_class: str | None = None) -> None:
+    """`ValueError` if an answers file in `settings.out` was written with other settings, naming each
+    differing setting with its old and new value. Before the model loads (`model_class=None`) the model's
+    class is not compared; everything else is."""
+    for name in settings.policies:
+        path = Path(settings.out) / f"{settings.task}-{name}.jsonl"
+        ignore = ("model_class",) if model_class is None else ()
+        answers.load(path, settings.run_key(name, model_class or ""), ident=lambda r: id(r), ignore=ignore)
+
+
+def check_length(settings: TaskSettings, limit: int | None) -> None:
+    """`ValueError` if a prompt (pass-key context length) plus the longest answer exceeds the model's
+    `limit` positions (`max_position_embeddings`), before any prefill."""
+    new = settings.max_new_tokens
+    needed = {f"--max-new-tokens {new}": new}
+    if settings.kind == passkey.TASK:
+        n = max(settings.context_lengths)
+        needed = {f"--context-lengths {n} with --max-new-tokens {new}": n + new}
+    check_positions(settings.model, limit, needed)
+
+
+def _note_grading(settings: TaskSettings) -> None:
+    if grading.method(settings.task) == grading.STRING_ONLY:
+        print(
+            "vasepatch: note: math-verify is not installed, so MATH-500 answers are graded by normalised string "
+            f"comparison only (an equal answer in another form counts wrong); to grade symbolically: "
+            f"{install_hint('eval')}",
+            file=sys.stderr,
+        )
+
+
 def run(settings: TaskSettings, model=None, tokenizer=None, echo: bool = False) -> list[Path]:
     """Run (or resume) the evaluation and write its outputs; returns their paths. The `[eval]`
-    extras and the data are checked first: a missing or malformed file fails before the model
-    loads. `echo` prints the results table at the end."""
+    extras, the data, the answer files to resume and the sequence length (against the model's config)
+    are checked first: a missing or malformed file, other settings in `--out` or a pass-key context
+    longer than the model takes fail before the model loads. `echo` prints the results table at the end."""
     require_extras()
     examples = None
     if settings.kind == "math":
         examples = data.load_examples(f"{settings.task}:{settings.limit}", settings.data_dir)
+    check_resume(settings)
+    if model is None:
+        check_length(settings, max_positions(settings.model))
+    _note_grading(settings)
     if model is None:
         from vasepatch import models
 
         model, tokenizer = models.load(settings.model)
+    check_length(settings, max_positions(model))
+    check_resume(settings, type(model).__name__)
     if examples is None:
         return passkey.run(settings, model, tokenizer, echo=echo)
     return run_math(settings, model, tokenizer, examples, echo=echo)
-
-
-def _number_list(kind: type):
-    def parse(text: str) -> list:
-        try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
-
-    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -226,36 +269,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     math_, key = TASK_DEFAULTS["math"], TASK_DEFAULTS[passkey.TASK]
     p.add_argument("--task", default=d.task, choices=TASKS, help="data set to answer, or pass-key retrieval")
     p.add_argument("--model", default=d.model, help="registered name, HF directory or .gguf file")
-    p.add_argument("--limit", type=int, default=d.limit, help="first N problems (data sets)")
+    p.add_argument("--limit", type=int_in(1), default=d.limit, help="first N problems (data sets)")
     options.add_cache_arguments(p, d.config, policies_default="full,vase")
     p.add_argument(
         "--samples",
-        type=int,
+        type=int_in(1),
         help=f"samples per problem (default: {math_['samples']}); passkey: prompts per context length, spread "
         f"evenly over the depths (default: {key['samples']})",
     )
     p.add_argument(
         "--sample-temperature",
-        type=float,
+        type=number_in(0, what="0 = greedy"),
         help=f"sampling temperature of the answers, 0 = greedy (default: {math_['sample_temperature']}; "
         f"passkey: {key['sample_temperature']:g})",
     )
-    p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling of the answers")
+    p.add_argument(
+        "--top-p", type=number_in(0, 1, lo_open=True), default=d.top_p, help="nucleus sampling of the answers"
+    )
     p.add_argument(
         "--max-new-tokens",
-        type=int,
+        type=int_in(1),
         help=f"longest answer (default: {math_['max_new_tokens']}; passkey: {key['max_new_tokens']})",
     )
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per generate() call")
+    p.add_argument("--batch-size", type=int_in(1), default=d.batch_size, help="sequences per generate() call")
     p.add_argument(
         "--context-lengths",
-        type=_number_list(int),
+        type=int_list(1),
         default=",".join(map(str, d.context_lengths)),
         help="passkey: prompt tokens, comma-separated",
     )
     p.add_argument(
         "--depths",
-        type=_number_list(float),
+        type=number_list(0, 1),
         default=",".join(map(str, d.depths)),
         help="passkey: where the key sits, 0 (start) to 1 (end), comma-separated",
     )
@@ -264,7 +309,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="folder with gsm8k/ math500/ aime25/ (default: $VASEPATCH_DATA_DIR, else the data shipped with vasepatch)",
     )
-    p.add_argument("--out", default=d.out, help="folder for the answers (jsonl, resumable) and the results")
+    p.add_argument(
+        "--out", type=output_dir, default=d.out, help="folder for the answers (jsonl, resumable) and the results"
+    )
 
 
 def main(args: argparse.Namespace) -> None:

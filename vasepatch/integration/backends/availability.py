@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from vasepatch.errors import install_hint
 from vasepatch.integration.backends import flash_attn, torch_varlen
 
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa", "eager")  # in `auto` order
@@ -36,7 +37,7 @@ def _flash_attn_problem() -> str | None:
     if "flash_attn" not in _PACKAGE_PROBLEMS:
         problem = None
         if importlib.util.find_spec("flash_attn") is None:
-            problem = "flash_attn is not installed (pip install 'vasepatch[gpu]')"
+            problem = f"flash_attn is not installed ({install_hint('gpu')})"
         else:
             try:
                 import flash_attn as package
