@@ -9,6 +9,9 @@ Llama (1,024 max positions). `\\udcff` is how Python holds the byte 0xff of an a
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -65,7 +68,8 @@ FIDELITY: list[tuple[list[str], str]] = [
     (["eval", "fidelity", "--sample-temperature", "nan"], r"--reference-temperature: must be .* got nan"),
     (["eval", "fidelity", "--temperature", "0"], r"argument --temperature/--score-temperature: .* >= 1e-06, got 0"),
     (["eval", "fidelity", "--temperature", "inf"], r"argument --temperature/--score-temperature: must be a finite"),
-    (["eval", "fidelity", "--smooth", "0"], r"argument --smooth: must be an int in \[1, 2147483647\], got 0"),
+    (["eval", "fidelity", "--smooth", "0"], r"argument --smooth: must be an int in \[1, 2147483647\] \(odd.*got 0"),
+    (["eval", "task", "--smooth", "4"], r"argument --smooth: must be an odd int >= 1 .*got 4"),
     (["eval", "fidelity", "--seeds", "0"], r"argument --seeds: must be an int in \[1, 2147483647\], got 0"),
     (["eval", "fidelity", "--batch-size", "-4"], r"argument --batch-size: must be an int in \[1, 2147483647\]"),
     (["eval", "fidelity", "--shared-heads", "maybe"], r"argument --shared-heads: invalid choice: 'maybe'"),
@@ -158,38 +162,66 @@ BAD_INPUTS: list[tuple[list[str], str]] = TOP + GENERATE + DEMO + FIDELITY + TAS
 """Every bad input of the command line and the one-line error it gets (a regex of it)."""
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
+def save_tiny_model(path: Path) -> Path:
+    """The `<tiny-model>` of the table: a tiny Llama and its tokenizer saved to `path`."""
     from tests.tiny_models import VOCAB, tiny_model
     from tests.tiny_tokenizer import tiny_tokenizer
 
-    path = tmp_path_factory.mktemp("tiny") / "model"
     tiny_model("llama").save_pretrained(path)
     tiny_tokenizer(VOCAB).save_pretrained(path)
     return path
 
 
-@pytest.fixture
-def paths(tmp_path, tiny_model_dir):
-    (tmp_path / "file.txt").write_text("not a folder\n")
-    (tmp_path / "dir").mkdir()
-    (tmp_path / "not.json").write_text("{oops\n")
+def placeholder_paths(root: Path, model_dir: Path) -> dict[str, str]:
+    """The table's placeholders, made under `root` (an empty folder)."""
+    (root / "file.txt").write_text("not a folder\n")
+    (root / "dir").mkdir()
+    (root / "not.json").write_text("{oops\n")
     return {
-        "<file>": str(tmp_path / "file.txt"),
-        "<dir>": str(tmp_path / "dir"),
-        "<missing>": str(tmp_path / "missing"),
-        "<not-json>": str(tmp_path / "not.json"),
-        "<tiny-model>": str(tiny_model_dir),
+        "<file>": str(root / "file.txt"),
+        "<dir>": str(root / "dir"),
+        "<missing>": str(root / "missing"),
+        "<not-json>": str(root / "not.json"),
+        "<tiny-model>": str(model_dir),
     }
 
 
-def _fill(argv: list[str], paths: dict[str, str]) -> list[str]:
-    out = []
+def command_line(argv: list[str], paths: dict[str, str], never: Path) -> list[str]:
+    """A row's argv as run: placeholders filled, `--out never` for a command that writes results (it must
+    never be made), `--threads 1` where the command takes it."""
+    filled = []
     for word in argv:
         for placeholder, path in paths.items():
             word = word.replace(placeholder, path)
-        out.append(word)
-    return out
+        filled.append(word)
+    leaf = filled[:2] in (["eval", "task"], ["eval", "fidelity"]) or filled[:1] == ["bench"]
+    if leaf and "--out" not in filled and "--resume" not in filled:
+        filled = [*filled, "--out", str(never)]
+    return [*filled, "--threads", "1"] if filled[:1] in (["generate"], ["demo"], ["bench"]) else filled
+
+
+def run_cli(argv: list[str]) -> tuple[int | str | None, str]:
+    """`vasepatch argv` in this process: its exit code (None: it returned) and what it wrote to stderr."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as exit_info:
+            return exit_info.code, err.getvalue()
+    return None, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def paths(tmp_path, tiny_model_dir):
+    return placeholder_paths(tmp_path, tiny_model_dir)
 
 
 @pytest.fixture
@@ -217,25 +249,13 @@ def test_the_table_covers_every_command():
 
 
 @pytest.mark.parametrize(("argv", "expected"), BAD_INPUTS, ids=[" ".join(a)[:60] or "(none)" for a, _ in BAD_INPUTS])
-def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, expected, paths, no_work, capsys, tmp_path):
-    argv = _fill(argv, paths)
-    leaf = argv[:2] in (["eval", "task"], ["eval", "fidelity"]) or argv[:1] == ["bench"]
-    if leaf and "--out" not in argv and "--resume" not in argv:
-        argv = [*argv, "--out", str(tmp_path / "never")]
-    with pytest.raises(SystemExit) as exit_info:
-        main([*argv, "--threads", "1"] if argv[:1] in (["generate"], ["demo"], ["bench"]) else argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, expected, paths, no_work, tmp_path):
+    code, err = run_cli(command_line(argv, paths, tmp_path / "never"))
+    assert code == 2
     assert err.startswith("vasepatch: error: ") and err.count("\n") == 1, err
     assert err.endswith("\n") and "Traceback" not in err
-    assert _search(expected, err), f"{expected!r} not in {err!r}"
+    assert re.search(expected, err) is not None, f"{expected!r} not in {err!r}"
     assert not (tmp_path / "never").exists()
-
-
-def _search(expected: str, err: str) -> bool:
-    import re
-
-    return re.search(expected, err) is not None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA")

@@ -36,6 +36,7 @@ __all__ = [
     "folder_problem",
     "install_hint",
     "int_in",
+    "odd_int",
     "int_list",
     "max_positions",
     "number_in",
@@ -73,6 +74,14 @@ def int_in(lo: int | None = 1, hi: int | None = MAX_COUNT, what: str = "") -> Ca
 
     parse.__name__ = "int"
     return parse
+
+
+def odd_int(text: str) -> int:
+    """argparse type: an odd int >= 1 (the width of a centred pool)."""
+    value = int_in(1, what="odd: the width of a centred average pool")(text)
+    if value % 2 == 0:
+        raise argparse.ArgumentTypeError(f"must be an odd int >= 1 (the width of a centred average pool), got {value}")
+    return value
 
 
 def seed(text: str) -> int:

@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from vasepatch import policies
-from vasepatch.cli_args import MIN_TEMPERATURE, int_in, number_in, seed
+from vasepatch.cli_args import MIN_TEMPERATURE, int_in, number_in, odd_int, seed
 from vasepatch.config import FULL, PREFILL_MODES, VaSEConfig
 
 SHARED_HEADS = ("off", "on", "both")
@@ -147,9 +147,9 @@ def add_cache_arguments(p: argparse.ArgumentParser, defaults: VaSEConfig, polici
     )
     p.add_argument(
         "--smooth",
-        type=int_in(1),
+        type=odd_int,
         default=defaults.smooth,
-        help="width of the average pool over attention scores (1 = off)",
+        help="width of the centred average pool over attention scores, odd (1 = off)",
     )
     p.add_argument(
         "--prefill",
