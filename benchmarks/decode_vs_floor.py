@@ -29,7 +29,7 @@ import torch
 
 from vasepatch import threads
 from vasepatch.bench.methods import build_method, share_weights
-from vasepatch.bench.settings import MethodSpec, Settings
+from vasepatch.bench.settings import BenchSettings, MethodSpec
 from vasepatch.bench.shapes import load_model
 
 BUDGET, GENERATED, STEPS = 512, 1024, 64
@@ -42,7 +42,7 @@ def main() -> None:
     threads.add_option(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    settings = Settings(tokens=[GENERATED], batch=[args.batch], methods=["dense", "vase"], isolate="none")
+    settings = BenchSettings(tokens=[GENERATED], batch=[args.batch], methods=["dense", "vase"], isolate="none")
     model = load_model(settings.model, torch.float32, "cpu", 0)
     vocab, b = model.config.vocab_size, args.batch
     g = torch.Generator().manual_seed(0)

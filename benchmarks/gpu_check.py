@@ -463,7 +463,7 @@ def throughput_plan(setup: Setup, model: str, tokens: list[int], methods: list[s
     `max_memory_allocated`); an error is reported, not raised."""
     from vasepatch import VaSEConfig
     from vasepatch.bench.runner import run_benchmark
-    from vasepatch.bench.settings import Settings
+    from vasepatch.bench.settings import BenchSettings as Settings
 
     if setup.device.type == "cuda":
         cache = VaSEConfig(budget=GPU_BUDGET, window=GPU_WINDOW, seed=0)

@@ -29,7 +29,7 @@ import torch
 
 import vasepatch
 from vasepatch import models
-from vasepatch.eval import style
+from vasepatch.reporting import style
 
 PROMPT = (
     "A bakery sells croissants for $2.50 and muffins for $3.25. On Monday it sold 48 croissants and 36 muffins. "

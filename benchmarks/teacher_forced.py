@@ -17,12 +17,13 @@ import vasepatch
 from vasepatch import models
 from vasepatch.config import FULL, VaSEConfig
 from vasepatch.eval import data, fidelity, report
+from vasepatch.eval.fidelity_settings import FidelitySettings
 
 prompts, batch, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 protect = int(sys.argv[4]) if len(sys.argv) > 4 else None  # default: budget // 4
 names = sys.argv[5].split(",") if len(sys.argv) > 5 else ["vase", "snapkv", "rkv"]
 start = time.time()
-settings = fidelity.Settings(
+settings = FidelitySettings(
     model="smollm2-135m",
     config=VaSEConfig(budget=192, window=64, protect=protect, seed=0),
     policies=["full", *names],

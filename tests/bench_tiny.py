@@ -4,12 +4,12 @@ two batch sizes, in this process (the model itself: the `tiny` fixture of `tests
 from __future__ import annotations
 
 from vasepatch import VaSEConfig
-from vasepatch.bench import Settings
+from vasepatch.bench import BenchSettings
 
 TINY = "shape:tiny-qwen3"
 
 
-def tiny_settings(**changes) -> Settings:
+def tiny_settings(**changes) -> BenchSettings:
     base = dict(
         model=TINY,
         cache=VaSEConfig(budget=16, window=4, seed=0),
@@ -22,4 +22,4 @@ def tiny_settings(**changes) -> Settings:
         isolate="none",
         progress=False,
     )
-    return Settings(**{**base, **changes})
+    return BenchSettings(**{**base, **changes})

@@ -13,7 +13,7 @@ import torch
 
 from tests.bench_tiny import TINY, tiny_settings
 from vasepatch import VaSEConfig
-from vasepatch.bench import MethodSpec, Settings, run_benchmark, summarise
+from vasepatch.bench import BenchSettings, MethodSpec, run_benchmark, summarise
 from vasepatch.bench.measure import MIB, eviction_share, sequence_inputs
 from vasepatch.bench.methods import build_method, kvpress_module, share_weights
 from vasepatch.bench.report import markdown
@@ -172,13 +172,13 @@ def test_settings_hold_a_vase_config_and_write_the_same_keys():
     committed = json.loads(COMMITTED.read_text())
     written = settings.to_dict()
     assert list(written) == list(committed["settings"])
-    assert Settings.from_dict(committed["settings"]).to_dict() == committed["settings"]
-    assert Settings.from_dict(written).to_dict() == written
+    assert BenchSettings.from_dict(committed["settings"]).to_dict() == committed["settings"]
+    assert BenchSettings.from_dict(written).to_dict() == written
 
 
 def test_committed_results_still_summarise_and_render():
     committed = json.loads(COMMITTED.read_text())
-    settings = Settings.from_dict(committed["settings"])
+    settings = BenchSettings.from_dict(committed["settings"])
     rows = summarise(settings, committed["segments"])
     assert rows == committed["results"]
     assert {r["method"] for r in rows if r["ratio_to_floor"] == 1.0} == {"floor", "floor+compile"}
@@ -221,7 +221,7 @@ def test_quick_preset_and_explicit_options():
     mixed = settings_from_args(build_parser().parse_args(argv))[0]
     assert (mixed.cache.budget, mixed.steps, mixed.cache.window, mixed.cache.seed) == (96, 8, 32, 3)
     plain, previous = settings_from_args(build_parser().parse_args(["bench"]))
-    assert plain.to_dict() == Settings().to_dict() and previous is None
+    assert plain.to_dict() == BenchSettings().to_dict() and previous is None
 
 
 def test_method_names_and_eviction_share():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.bench_tiny import TINY, tiny_settings
-from vasepatch.bench import MethodSpec, Settings, run_benchmark, summarise
+from vasepatch.bench import BenchSettings, MethodSpec, run_benchmark, summarise
 from vasepatch.bench.measure import MethodRunner, sequence_inputs
 from vasepatch.bench.methods import build_method, share_weights
 from vasepatch.bench.report import markdown
@@ -52,7 +52,7 @@ def test_every_segment_is_saved_and_resume_runs_only_the_missing_ones(tmp_path, 
     assert partial["complete"] is False and partial["resumed"] == []
     assert len(partial["segments"]) == 5 and len(partial["results"]) == 3  # dense, vase at 16 and dense at 32
     assert {(w["method"], w["batch"]) for w in partial["warmups"]} == {("dense", 1), ("vase", 1)}
-    assert Settings.from_dict(partial["settings"]).to_dict() == partial["settings"]
+    assert BenchSettings.from_dict(partial["settings"]).to_dict() == partial["settings"]
     assert "Incomplete run" in (out / "bench.md").read_text()
     assert not list(out.glob(".*.tmp"))
 

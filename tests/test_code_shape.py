@@ -1,7 +1,9 @@
 """The shape of the code: size limits, and imports that point one way.
 
 policies <- cache <- integration <- tools (CLI, eval, bench, demo, models); `config`
-and `errors` are leaves that anything may import.
+and `errors` are leaves that anything may import. Among the tools, `vasepatch.eval` and
+`vasepatch.bench` import neither each other (what both need is in `vasepatch.reporting`),
+and no tool module imports one that imports it back, directly or round a longer loop.
 """
 
 from __future__ import annotations
@@ -41,16 +43,27 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+MODULES = {_module_name(path) for path in FILES}
+APART = ("vasepatch.eval", "vasepatch.bench")  # tools that share code only through vasepatch.reporting
+
+
 def _imports(path: Path) -> set[str]:
+    """The vasepatch modules `path` imports, anywhere in it (lazily inside a function and under
+    `TYPE_CHECKING` too): `from vasepatch.eval import data` imports `vasepatch.eval.data`,
+    `from vasepatch.eval.data import Example` imports `vasepatch.eval.data`."""
     found = set()
     for node in ast.walk(_tree(path)):
-        if isinstance(node, ast.ImportFrom) and node.module == "vasepatch" and node.level == 0:
-            found.update(f"vasepatch.{a.name}" for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in MODULES else node.module)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
     return {m for m in found if m == "vasepatch" or m.startswith("vasepatch.")}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def test_the_checks_see_the_package():
@@ -82,5 +95,56 @@ def test_imports_point_one_way(path):
 def test_the_layer_rule_catches_a_wrong_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from vasepatch.integration import attention\n")
-    assert _imports(bad) == {"vasepatch.integration"} and _layer("vasepatch.integration") == "integration"
-    assert _layer("vasepatch.integration") not in {"cache", *LAYERS["cache"]}
+    assert _imports(bad) == {"vasepatch.integration.attention"}
+    assert _layer("vasepatch.integration.attention") not in {"cache", *LAYERS["cache"]}
+
+
+def _crossing(module: str, imported: set[str]) -> list[str]:
+    """The imports of `module` that go from `vasepatch.eval` to `vasepatch.bench` or back."""
+    for mine, theirs in (APART, APART[::-1]):
+        if _within(module, mine):
+            return sorted(m for m in imported if _within(m, theirs))
+    return []
+
+
+def _cycle_through(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    """A chain of imports `start -> ... -> start` in `graph` (module -> the modules it imports), or None."""
+    stack, seen = [[start]], set()
+    while stack:
+        chain = stack.pop()
+        for imported in sorted(graph.get(chain[-1], ())):
+            if imported == start:
+                return [*chain, start]
+            if imported not in seen:
+                seen.add(imported)
+                stack.append([*chain, imported])
+    return None
+
+
+def _tool_graph() -> dict[str, set[str]]:
+    """Each tool module -> the tool modules it imports (a module importing itself is not a loop)."""
+    tools = {_module_name(path): path for path in FILES if _layer(_module_name(path)) == "tools"}
+    return {m: {i for i in _imports(path) if i in tools and i != m} for m, path in tools.items()}
+
+
+def test_eval_and_bench_do_not_import_each_other():
+    wrong = {_module_name(p): _crossing(_module_name(p), _imports(p)) for p in FILES}
+    wrong = {module: imported for module, imported in wrong.items() if imported}
+    assert not wrong, f"imports between vasepatch.eval and vasepatch.bench (share through vasepatch.reporting): {wrong}"
+
+
+def test_no_import_cycles_among_the_tools():
+    graph = _tool_graph()
+    assert "vasepatch.eval.fidelity" in graph and "vasepatch.bench.report" in graph
+    cycles = {frozenset(chain): " -> ".join(chain) for m in sorted(graph) if (chain := _cycle_through(graph, m))}
+    assert not cycles, f"import cycles: {sorted(cycles.values())}"
+
+
+def test_the_tool_rules_catch_a_crossing_and_a_cycle():
+    assert _crossing("vasepatch.eval.replot", {"vasepatch.bench.report", "vasepatch.reporting.style"}) == [
+        "vasepatch.bench.report"
+    ]
+    assert _crossing("vasepatch.bench.report", {"vasepatch.eval"}) == ["vasepatch.eval"]
+    assert _crossing("vasepatch.evaluation", {"vasepatch.bench"}) == []  # a prefix is not the package
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
+    assert _cycle_through(graph, "a") == ["a", "b", "c", "a"] and _cycle_through(graph, "d") is None

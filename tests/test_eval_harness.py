@@ -19,8 +19,9 @@ from tests.tiny_models import VOCAB, tiny_config
 from tests.tiny_tokenizer import tiny_tokenizer
 from vasepatch import VaSEConfig, cli, policies
 from vasepatch.cli_args import install_hint
-from vasepatch.eval import answers, data, fidelity, grading, options, progress, task
+from vasepatch.eval import answers, cli_options, data, fidelity, grading, progress, task
 from vasepatch.eval.forcing import prompt_positions, teacher_force
+from vasepatch.eval.task_settings import TaskSettings
 
 # K and V bytes per slot (row, all layers and KV heads) of the tiny fp32 Qwen3 the CLI tests save
 _CFG = tiny_config("qwen3")
@@ -254,7 +255,7 @@ def test_records_written_before_the_rename_still_resume(tmp_path):
            "budget": 128, "window": 32, "protect": None, "sinks": 4, "score_temperature": 1.0, "smooth": 5}  # fmt: skip
     path = tmp_path / "gsm8k-vase.jsonl"
     path.write_text(json.dumps({"id": "0", "sample": 0, "correct": True, "run": json.dumps(old)}) + "\n")
-    settings = task.TaskSettings(
+    settings = TaskSettings(
         model="qwen2.5-coder-0.5b",
         config=VaSEConfig(budget=128, window=32, seed=0, prefill="keep"),
         samples=1,
@@ -265,7 +266,7 @@ def test_records_written_before_the_rename_still_resume(tmp_path):
     key = settings.run_key("vase", "Qwen2ForCausalLM")
     assert list(answers.load(path, key, lambda r: (r["id"], r["sample"]))) == [("0", 0)]
     for changed in ({"config": settings.config.replace(prefill="compress")}, {"sample_temperature": 1.0}):
-        other = task.TaskSettings(**{**vars(settings), **changed}).run_key("vase", "Qwen2ForCausalLM")
+        other = TaskSettings(**{**vars(settings), **changed}).run_key("vase", "Qwen2ForCausalLM")
         with pytest.raises(ValueError, match="other settings"):
             answers.load(path, other, lambda r: (r["id"], r["sample"]))
     full = {k: v for k, v in old.items() if k in ("policy", "model_class", "model", "task", "samples", "temperature",
@@ -278,13 +279,13 @@ def test_cache_flags_make_one_config_and_policy_names():
     parser = cli.build_parser()
     args = parser.parse_args(["eval", "task", "--budget", "64", "--window", "8", "--temperature", "0.5",
                               "--sample-temperature", "0.9", "--prefill", "keep", "--seed", "3"])  # fmt: skip
-    assert options.cache_config(args) == VaSEConfig(budget=64, window=8, temperature=0.5, prefill="keep", seed=3)
+    assert cli_options.cache_config(args) == VaSEConfig(budget=64, window=8, temperature=0.5, prefill="keep", seed=3)
     assert args.sample_temperature == 0.9
     old_flags = parser.parse_args(["eval", "fidelity", "--score-temperature", "2", "--reference-temperature", "0.7"])
-    assert options.cache_config(old_flags).temperature == 2 and old_flags.sample_temperature == 0.7
-    names = options.parse_policies("all")
+    assert cli_options.cache_config(old_flags).temperature == 2 and old_flags.sample_temperature == 0.7
+    names = cli_options.parse_policies("all")
     assert names[0] == "full" and sorted(names[1:]) == sorted(set(policies.available()) - {"full"})
-    assert options.parse_policies(" vase, snapkv ,") == ["vase", "snapkv"]
+    assert cli_options.parse_policies(" vase, snapkv ,") == ["vase", "snapkv"]
 
 
 def test_eval_rejects_bad_settings_before_loading(tiny_dir):
@@ -293,11 +294,11 @@ def test_eval_rejects_bad_settings_before_loading(tiny_dir):
     with pytest.raises(ValueError, match="window must be smaller than budget"):
         cli.run(["eval", "fidelity", "--budget", "8", "--window", "8", "--model", "/nonexistent"])
     with pytest.raises(ValueError, match="depths must lie in"):
-        task.TaskSettings(task="passkey", depths=[0, 1.5])
+        TaskSettings(task="passkey", depths=[0, 1.5])
     with pytest.raises(ValueError, match="sample_temperature >= 0"):
-        task.TaskSettings(sample_temperature=float("nan"))
+        TaskSettings(sample_temperature=float("nan"))
     with pytest.raises(ValueError, match="seeded config"):
-        task.TaskSettings(config=VaSEConfig(budget=64, window=8))
+        TaskSettings(config=VaSEConfig(budget=64, window=8))
 
 
 @pytest.mark.parametrize("command", ["fidelity", "task"])

@@ -13,7 +13,7 @@ from tests.tiny_models import VOCAB, tiny_config
 from tests.tiny_tokenizer import tiny_tokenizer
 from vasepatch import VaSEConfig, cli
 from vasepatch.eval import answers, grading, haystack, passkey
-from vasepatch.eval.task import TaskSettings
+from vasepatch.eval.task_settings import TaskSettings
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _CFG = tiny_config("qwen3")

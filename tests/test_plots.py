@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from vasepatch.bench import report as bench_report
-from vasepatch.eval import plots, replot, style
+from vasepatch.eval import plots, replot
+from vasepatch.reporting import bench_figures, style
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 HEADER = {"model": "tiny", "budget": 16, "window": 4, "longest_sequence": 64, "task": "gsm8k"}
@@ -100,7 +100,7 @@ def test_passkey_figure_per_length_compression_and_one_legend():
 
 def test_bench_figures_from_the_committed_results():
     result = json.loads((RESULTS / "bench-cpu" / "bench.json").read_text())
-    memory = bench_report.figure(result, bench_report.MEMORY, "KV and peak memory")
+    memory = bench_figures.figure(result, bench_figures.MEMORY, "KV and peak memory")
     title = _title(memory)
     assert "smollm2-135m" in title and "budget 512 (window 64)" in title and "2.2x-16.2x compression" in title
     drawn: dict[str, tuple] = {}

@@ -9,7 +9,8 @@ from tests import drive
 from vasepatch import policies
 from vasepatch.cache import VaSECache
 from vasepatch.config import VaSEConfig
-from vasepatch.eval import fidelity, options
+from vasepatch.eval import cli_options
+from vasepatch.eval.fidelity_settings import FidelitySettings
 from vasepatch.policies.keyed import KeyedGenerator
 from vasepatch.policies.shared import shared_top_k
 
@@ -122,14 +123,14 @@ def test_a_head_shared_cache_keeps_one_layout_for_all_heads():
 
 
 def test_the_eval_runs_each_policy_per_head_and_shared():
-    settings = fidelity.Settings(policies=["full", "vase", "snapkv"], shared_heads="both")
+    settings = FidelitySettings(policies=["full", "vase", "snapkv"], shared_heads="both")
     assert settings.policies == ["full", "vase", "vase+shared", "snapkv", "snapkv+shared"]
     configs = settings.configs()
     assert configs["vase+shared"].shared_heads and configs["vase+shared"].policy == "vase"
     assert not configs["vase"].shared_heads and not configs["full"].shared_heads
-    assert options.with_shared(settings.policies, "both") == settings.policies  # idempotent
+    assert cli_options.with_shared(settings.policies, "both") == settings.policies  # idempotent
     with pytest.raises(ValueError, match="unknown policies"):
-        options.check_run(settings.config, ["full+shared"])
+        cli_options.check_run(settings.config, ["full+shared"])
 
 
 def test_the_cli_flag():
@@ -137,6 +138,6 @@ def test_the_cli_flag():
 
     parser = cli.build_parser()
     on = parser.parse_args(["eval", "fidelity", "--shared-heads", "on"])
-    assert options.cache_config(on).shared_heads is True
-    assert options.cache_config(parser.parse_args(["eval", "fidelity"])).shared_heads is False
+    assert cli_options.cache_config(on).shared_heads is True
+    assert cli_options.cache_config(parser.parse_args(["eval", "fidelity"])).shared_heads is False
     assert parser.parse_args(["eval", "fidelity", "--shared-heads", "both"]).shared_heads == "both"

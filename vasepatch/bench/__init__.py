@@ -1,6 +1,6 @@
 """`vasepatch bench`: decode throughput and memory of KV caches, methods interleaved.
 
-`run_benchmark(Settings(...))` returns the results as a dict (callable without
+`run_benchmark(BenchSettings(...))` returns the results as a dict (callable without
 the CLI, e.g. from a GPU check script); `report.write(result, out)` writes
 `bench.json`, `bench.md` and the plots. Parts: `settings` (options, method
 names; the cache settings are one `VaSEConfig`), `shapes` (random-weight model
@@ -11,7 +11,7 @@ rows), `report`, `cli`.
 """
 
 from vasepatch.bench.runner import run_benchmark
-from vasepatch.bench.settings import MethodSpec, Settings
+from vasepatch.bench.settings import BenchSettings, MethodSpec
 from vasepatch.bench.summary import summarise
 
-__all__ = ["MethodSpec", "Settings", "run_benchmark", "summarise"]
+__all__ = ["BenchSettings", "MethodSpec", "run_benchmark", "summarise"]

@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from vasepatch.bench import resume
-from vasepatch.bench.settings import DTYPES, ISOLATION, MASKS, Settings
+from vasepatch.bench.settings import DTYPES, ISOLATION, MASKS, BenchSettings
 from vasepatch.cli_args import device, folder_problem, int_in, int_list, output_dir, seed
 
-# `--quick`: a smoke run of about a minute on 2 CPU cores (SmolLM2-135M); explicit options win.
+# `--quick`: a smoke run of SmolLM2-135M, the default methods at 2 lengths, batch 1, 1 repeat; explicit options win.
+# Measured with --threads 1: 365 s on a 2-core AMD EPYC VM busy with other runs (load 9-17), 114 s of CPU time
+# (docs/performance.md, How long it takes).
 QUICK: dict[str, Any] = {"tokens": [256, 512], "budget": 128, "window": 32, "batch": [1], "repeats": 1}
 
 
@@ -19,7 +21,7 @@ def _csv(values: list[int]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = Settings()  # every option defaults to None: `--resume` tells given options from omitted ones
+    d = BenchSettings()  # every option defaults to None: `--resume` tells given options from omitted ones
     p.add_argument("--model", default=None, help=f"registered name, HF directory, .gguf file or shape:NAME ({d.model})")
     p.add_argument(
         "--tokens", type=int_list(1), default=None, help=f"generated lengths to time at (default {_csv(d.tokens)})"
@@ -44,7 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mask", choices=MASKS, default=None, help="attention mask of ones: auto = eager methods only")
     p.add_argument("--skip", default=None, help="rows not to run: method@batch[:length], comma-separated")
     quick = " ".join(f"--{k} {_csv(v) if isinstance(v, list) else v}" for k, v in QUICK.items())
-    p.add_argument("--quick", action="store_true", help=f"smoke run (about a minute): {quick}, unless given")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {quick}, unless given (with --threads 1 on a busy 2-core VM: 365 s, 114 s of CPU time)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", type=output_dir, default=None, help=f"output folder (default {d.out})")
     p.add_argument(
@@ -56,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def given_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings the options give explicitly (`--quick`'s preset included), as `Settings.to_dict` keys."""
+    """The settings the options give explicitly (`--quick`'s preset included), as `BenchSettings.to_dict` keys."""
     given: dict[str, Any] = {k: v for k, v in QUICK.items() if args.quick}
     lists = {"tokens": args.tokens, "batch": args.batch}
     given.update({k: v for k, v in lists.items() if v is not None})
@@ -85,14 +91,14 @@ def load_resumed(directory: str, given: dict[str, Any]) -> dict[str, Any]:
             else f"resume: settings differ from {path}: {shown} (omit the options to keep the stored values)"
         )
     try:
-        Settings.from_dict({**stored, "out": directory, "progress": False})
+        BenchSettings.from_dict({**stored, "out": directory, "progress": False})
     except ValueError as err:
         raise ValueError(f"resume: {path}: its settings are not valid: {err}") from None
     return previous
 
 
-def settings_from_args(args: argparse.Namespace) -> tuple[Settings, dict[str, Any] | None]:
-    """Validated `Settings` from the parsed options (`ValueError` names the bad one), and the
+def settings_from_args(args: argparse.Namespace) -> tuple[BenchSettings, dict[str, Any] | None]:
+    """Validated `BenchSettings` from the parsed options (`ValueError` names the bad one), and the
     result to resume (`--resume`), if any."""
     given = given_settings(args)
     previous = None
@@ -103,7 +109,7 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Settings, dict[str, An
         given = {**previous["settings"], "out": args.resume}
     elif args.out is not None:
         given["out"] = args.out
-    settings = Settings.from_dict({**given, "progress": not args.no_progress})
+    settings = BenchSettings.from_dict({**given, "progress": not args.no_progress})
     return settings, previous
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from vasepatch.bench.methods import Method, build_method, share_weights
-from vasepatch.bench.settings import MethodSpec, Settings
+from vasepatch.bench.settings import BenchSettings, MethodSpec
 from vasepatch.bench.shapes import load_model
 
 MIB = 2**20
@@ -174,7 +174,7 @@ def _compiled_graphs() -> int:
         return 0
 
 
-def sequence_inputs(settings: Settings, batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_inputs(settings: BenchSettings, batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The seeded random prompt `[B, prompt_len]` and fast-forward tokens `[B, max_generated]`
     of one batch size: the same for every method."""
     g = torch.Generator().manual_seed(settings.cache.seed * 1009 + batch)
@@ -190,7 +190,7 @@ class MethodRunner:
     `model`, the method works on a weight-sharing copy of it; else it loads its own.
     """
 
-    def __init__(self, settings: Settings, spec: MethodSpec, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, settings: BenchSettings, spec: MethodSpec, model: torch.nn.Module | None = None) -> None:
         torch.set_num_threads(settings.threads)
         t0 = time.perf_counter()
         isolated = model is None

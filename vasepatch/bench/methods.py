@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from vasepatch.bench.settings import MethodSpec, Settings
+from vasepatch.bench.settings import BenchSettings, MethodSpec
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -65,7 +65,7 @@ class Method:
 
     absolute_positions = False
 
-    def __init__(self, spec: MethodSpec, model: torch.nn.Module, settings: Settings) -> None:
+    def __init__(self, spec: MethodSpec, model: torch.nn.Module, settings: BenchSettings) -> None:
         self.spec = spec
         self.settings = settings
         self.model = model
@@ -190,7 +190,7 @@ class StaticMethod(Method):
         return StaticCache(config=self.model.config, max_cache_len=max_len)
 
 
-def floor_prompt(settings: Settings, batch: int, vocab: int) -> torch.Tensor:
+def floor_prompt(settings: BenchSettings, batch: int, vocab: int) -> torch.Tensor:
     """The floor's seeded random prompt `[B, budget]` (its own generator stream: the other
     methods' inputs do not depend on whether a floor runs)."""
     g = torch.Generator().manual_seed(settings.cache.seed * 1009 + batch + 7_000_003)
@@ -329,7 +329,7 @@ class KVPressMethod(DenseMethod):
         self._hooks.__exit__(None, None, None)
 
 
-def build_method(spec: MethodSpec, model: torch.nn.Module, settings: Settings) -> Method:
+def build_method(spec: MethodSpec, model: torch.nn.Module, settings: BenchSettings) -> Method:
     """The `Method` for `spec` on `model` (patched / hooked / compiled in place)."""
     if spec.compile:
         import torch._dynamo

@@ -1,4 +1,5 @@
-"""Write a benchmark result as `bench.json`, `bench.md`, `throughput.png` and `memory.png`."""
+"""Write a benchmark result as `bench.json`, `bench.md`, `throughput.png` and `memory.png`
+(the figures: `vasepatch.reporting.bench_figures`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from vasepatch.cli_args import install_hint
-from vasepatch.eval import style
-from vasepatch.eval.report import markdown_table
+from vasepatch.reporting import bench_figures
+from vasepatch.reporting.tables import markdown_table
 
 
 def _num(value: float | None, digits: int = 3) -> str:
@@ -110,50 +111,6 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def figure(result: dict[str, Any], panels: list[tuple[str, str, bool]], what: str):
-    """One row per `(key, label, memory)` of `panels` (memory axes start at zero), one column per
-    batch size, one styled line per method; titled with the model, budget and compression."""
-    s = result["settings"]
-    methods = list(dict.fromkeys(r["method"] for r in result["results"]))
-    fig, axes = style.subplots(len(panels), len(s["batch"]), panel=(5.5, 3.8))
-    for col, batch in enumerate(s["batch"]):
-        for row, (key, label, memory) in enumerate(panels):
-            ax = axes[row][col]
-            curves, styles = [], []  # a method keeps its style in every panel, even where others are missing
-            for i, method in enumerate(methods):
-                pts = [
-                    (r["length"], r[key])
-                    for r in result["results"]
-                    if r["batch"] == batch and r["method"] == method and r[key] is not None
-                ]
-                if pts:
-                    curves.append((method, [x for x, _ in pts], [y for _, y in pts]))
-                    styles.append(i)
-            style.lines(ax, curves, styles=styles)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(s["tokens"], [str(n) for n in s["tokens"]])
-            ax.set(xlabel="generated tokens", ylabel=label, title=f"batch {batch}")
-            if memory:
-                style.memory_axis(ax, label)
-            else:
-                ax.set_ylim(bottom=0)
-    tokens = [float(s["prompt_len"] + n) for n in s["tokens"]]
-    return style.finish(fig, style.title(what, s["model"], s["budget"], s["window"], tokens))
-
-
-THROUGHPUT = [("tok_s", "decode tok/s (median)", False)]
-MEMORY = [("kv_mib", "KV cache MiB", True), ("peak_mib", "peak MiB (timed steps)", True)]
-
-
-def plot(result: dict[str, Any], out: Path) -> list[Path]:
-    """`throughput.png` and `memory.png` under `out` (matplotlib's Agg backend)."""
-    style.use_agg()
-    paths = [out / "throughput.png", out / "memory.png"]
-    style.save(figure(result, THROUGHPUT, "Decode throughput"), paths[0])
-    style.save(figure(result, MEMORY, "KV and peak memory"), paths[1])
-    return paths
-
-
 def _replace(path: Path, text: str) -> None:
     """Write `text` to `path` atomically (a temporary file, then `os.replace`)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -175,7 +132,7 @@ def write(result: dict[str, Any], out: Path) -> list[Path]:
     and `memory.png` (KV and peak MiB vs generated length) under `out`; returns their paths."""
     paths = save(result, out)
     if result["results"] and importlib.util.find_spec("matplotlib") is not None:  # the `eval` extra brings it
-        paths += plot(result, out)
+        paths += bench_figures.plot(result, out)
     elif result["results"]:
         print(f"plots skipped: matplotlib is not installed ({install_hint('eval')})", file=sys.stderr)
     return paths

@@ -13,7 +13,7 @@ from typing import Any
 
 _INT, _NUMBER, _STR, _BOOL = "an int", "a number", "a string", "a bool"
 
-# the `settings` keys `Settings.to_dict` writes, and what each must be (`None` allowed where listed)
+# the `settings` keys `BenchSettings.to_dict` writes, and what each must be (`None` allowed where listed)
 SETTINGS: dict[str, tuple[str, bool]] = {
     "model": (_STR, False),
     "tokens": ("ints", False),

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 
 from vasepatch.bench.methods import kvpress_module
-from vasepatch.bench.settings import Settings
+from vasepatch.bench.settings import BenchSettings
 from vasepatch.bench.shapes import load_model
 from vasepatch.bench.summary import summarise
 from vasepatch.bench.workers import MethodError, Proxy, open_proxy
 
 
 def run_benchmark(
-    settings: Settings,
+    settings: BenchSettings,
     model: torch.nn.Module | None = None,
     *,
     previous: dict[str, Any] | None = None,
@@ -60,7 +60,7 @@ class Benchmark:
     up) at a batch size only if it has a segment left to run there.
     """
 
-    def __init__(self, settings: Settings, previous: dict[str, Any] | None, save: Callable | None) -> None:
+    def __init__(self, settings: BenchSettings, previous: dict[str, Any] | None, save: Callable | None) -> None:
         self.settings, self.save = settings, save
         self.t_start, now = time.perf_counter(), datetime.datetime.now(datetime.timezone.utc).isoformat()
         self.started: str = (previous or {}).get("started", now)  # the first session
@@ -202,7 +202,7 @@ class Benchmark:
             self.bar.update(n)
 
 
-def shared_model(settings: Settings, model: torch.nn.Module | None) -> torch.nn.Module | None:
+def shared_model(settings: BenchSettings, model: torch.nn.Module | None) -> torch.nn.Module | None:
     """The model that in-process methods share (`model`, or `settings.model` loaded here);
     `None` when each method runs in its own worker process."""
     if settings.isolate != "none":
@@ -229,7 +229,7 @@ def progress_bar(total: int, enabled: bool) -> Any:
     return tqdm(total=total, desc="bench", unit="segment", dynamic_ncols=True)
 
 
-def environment(settings: Settings, check_kvpress: bool = True) -> dict[str, Any]:
+def environment(settings: BenchSettings, check_kvpress: bool = True) -> dict[str, Any]:
     """Versions, device and threads of this run. `check_kvpress=False` (results saved while
     the run goes on) reads kvpress's installed version without importing it: importing it
     wraps the attention functions of this process, the in-process methods' included."""

@@ -61,7 +61,7 @@ def _default_cache() -> VaSEConfig:
 
 
 @dataclass
-class Settings:
+class BenchSettings:
     """The `vasepatch bench` options, validated at construction (before any work).
 
     `cache` holds the vasepatch cache settings shared by every method: each vasepatch
@@ -213,7 +213,7 @@ class Settings:
         return self.mask == "ones"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Settings:
+    def from_dict(cls, d: dict[str, Any]) -> BenchSettings:
         """The settings that `to_dict` wrote (e.g. the `settings` of a `bench.json`)."""
         d, base = dict(d), _default_cache()
         budget, window, seed = (d.pop(k, getattr(base, k)) for k in ("budget", "window", "seed"))
@@ -242,3 +242,5 @@ class Settings:
             "skip": list(self.skip),
             "out": self.out,
         }
+
+

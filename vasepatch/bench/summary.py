@@ -7,7 +7,7 @@ from collections import defaultdict
 from typing import Any
 
 from vasepatch.bench.measure import MIB
-from vasepatch.bench.settings import MethodSpec, Settings
+from vasepatch.bench.settings import BenchSettings, MethodSpec
 
 Segments = dict[int, dict[str, Any]]  # one method, batch and length: repeat -> segment
 
@@ -17,7 +17,7 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarise(settings: Settings, segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def summarise(settings: BenchSettings, segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per method, batch and length: decode tok/s median and min/max over repeats,
     the median per-repeat ratio to `dense`, to the floor (`floor+compile` for compiled methods
     when it ran, else `floor`) and to the eager method (for `+compile`), KV MiB, peak MiB and

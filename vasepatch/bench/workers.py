@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from vasepatch.bench.measure import MethodRunner
-from vasepatch.bench.settings import MethodSpec, Settings
+from vasepatch.bench.settings import BenchSettings, MethodSpec
 
 
 class MethodError(RuntimeError):
@@ -30,7 +30,7 @@ def describe(err: BaseException, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _worker(conn: Connection, settings: Settings, spec: MethodSpec) -> None:
+def _worker(conn: Connection, settings: BenchSettings, spec: MethodSpec) -> None:
     """Worker process: build the runner, then answer `(command, args)` until `close`."""
     try:
         runner = MethodRunner(settings, spec)
@@ -52,7 +52,7 @@ class WorkerProxy:
     """A method in a spawned process, driven over a pipe. The process starts (and loads
     the model) at once; `ready()` waits for it."""
 
-    def __init__(self, settings: Settings, spec: MethodSpec) -> None:
+    def __init__(self, settings: BenchSettings, spec: MethodSpec) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker, args=(child, settings, spec), daemon=True)
@@ -90,7 +90,7 @@ class WorkerProxy:
 class LocalProxy:
     """A method in this process, on a weight-sharing copy of `model`."""
 
-    def __init__(self, settings: Settings, spec: MethodSpec, model: torch.nn.Module) -> None:
+    def __init__(self, settings: BenchSettings, spec: MethodSpec, model: torch.nn.Module) -> None:
         try:
             self.runner = MethodRunner(settings, spec, model)
         except Exception as err:
@@ -113,6 +113,6 @@ class LocalProxy:
 Proxy = WorkerProxy | LocalProxy
 
 
-def open_proxy(settings: Settings, spec: MethodSpec, shared: torch.nn.Module | None) -> Proxy:
+def open_proxy(settings: BenchSettings, spec: MethodSpec, shared: torch.nn.Module | None) -> Proxy:
     """`spec` in a worker process (`shared is None`) or in this process on a copy of `shared`."""
     return WorkerProxy(settings, spec) if shared is None else LocalProxy(settings, spec, shared)

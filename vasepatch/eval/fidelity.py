@@ -21,7 +21,6 @@ tokens, dense predictions) for several policy seeds (`vasepatch.eval.probe`).
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,8 @@ import torch
 import vasepatch
 from vasepatch.cli_args import check_positions, int_in, max_positions, number_in, output_dir
 from vasepatch.config import FULL, VaSEConfig
-from vasepatch.eval import data, metrics, options, plots, probe, report
+from vasepatch.eval import cli_options, data, metrics, plots, probe, report
+from vasepatch.eval.fidelity_settings import FidelitySettings
 from vasepatch.eval.forcing import teacher_force
 from vasepatch.eval.progress import Progress, require_extras
 
@@ -49,65 +49,6 @@ PROMPT_COLUMNS = (
 )
 
 
-@dataclass
-class Settings:
-    """What `vasepatch eval fidelity` runs (the CLI flags, validated): the cache settings
-    `config` (one per policy: `config.replace(policy=name)`) and the eval's own."""
-
-    model: str = "smollm2-135m"
-    config: VaSEConfig = field(default_factory=options.default_config)
-    policies: list[str] = field(default_factory=lambda: [FULL, "vase", "snapkv"])
-    prompts: str = "gsm8k:16"
-    tokens: int = 768
-    sample_temperature: float = 0.8
-    seeds: int = 3
-    batch_size: int = 4
-    data_dir: str | None = None
-    probe: str | None = None
-    out: str = "fidelity-results"
-    shared_heads: str = "off"  # "both": every evicting policy also as "<policy>+shared"
-
-    def __post_init__(self) -> None:
-        self.policies = options.with_shared(self.policies, self.shared_heads)
-        if self.shared_heads == "on":
-            self.config = self.config.replace(shared_heads=True)
-        options.check_run(self.config, self.policies)
-        if self.tokens < 2:
-            raise ValueError(f"tokens must be >= 2, got {self.tokens}")
-        if self.batch_size < 1 or self.seeds < 1:
-            raise ValueError(f"batch_size and seeds must be >= 1, got {self.batch_size}, {self.seeds}")
-        if not 0 < self.sample_temperature < float("inf"):
-            raise ValueError(
-                f"sample_temperature must be > 0 (the reference is sampled), got {self.sample_temperature}"
-            )
-        self.policies = [FULL, *[p for p in self.policies if p != FULL]]  # the reference comes first
-
-    @property
-    def seed(self) -> int:
-        return self.config.seed
-
-    def configs(self) -> dict[str, VaSEConfig]:
-        """The cache config of each policy, `full` first."""
-        return {name: options.run_config(self.config, name) for name in self.policies}
-
-    def header(self, model) -> dict[str, Any]:
-        """The settings actually used, as written beside the results."""
-        head: dict[str, Any] = {"model": self.model, "policies": self.policies}
-        if self.probe:
-            head.update(probe=Path(self.probe).name, seeds=self.seeds)
-        else:
-            head.update(
-                prompts=self.prompts,
-                tokens=self.tokens,
-                sample_temperature=self.sample_temperature,
-                batch_size=self.batch_size,
-            )
-        head.update(options.cache_header(self.config))
-        if self.shared_heads == "both":
-            head["shared_heads"] = "both"
-        return {**head, **options.environment(model)}
-
-
 def _end_ids(model, tokenizer) -> list[int]:
     """Tokens that end or frame a turn (EOS, BOS, padding): suppressed in forced-length samples."""
     ids: set[int] = set()
@@ -118,7 +59,7 @@ def _end_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def sample(model, ids, mask, settings: Settings, seed: int, pad_id: int, suppress: list[int]) -> torch.Tensor:
+def sample(model, ids, mask, settings: FidelitySettings, seed: int, pad_id: int, suppress: list[int]) -> torch.Tensor:
     """`[B, tokens]` sampled tokens (forced length, EOS suppressed), seeded."""
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -196,7 +137,9 @@ class _Tally:
         }
 
 
-def _run_batch(settings: Settings, model, tokenizer, ids, mask, seed: int, tally: _Tally, bar: Progress) -> None:
+def _run_batch(
+    settings: FidelitySettings, model, tokenizer, ids, mask, seed: int, tally: _Tally, bar: Progress
+) -> None:
     """Reference, teacher forcing and free runs of one batch of prompts."""
     configs = settings.configs()
     pad_id, suppress = tokenizer.pad_token_id, _end_ids(model, tokenizer)
@@ -218,7 +161,7 @@ def _run_batch(settings: Settings, model, tokenizer, ids, mask, seed: int, tally
 
 
 def run_prompts(
-    settings: Settings, model, tokenizer, examples: list[data.Example] | None = None
+    settings: FidelitySettings, model, tokenizer, examples: list[data.Example] | None = None
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Fidelity of every policy on the prompts: `(header, one result row per policy)`."""
     if examples is None:
@@ -245,14 +188,14 @@ def run_prompts(
     return header, [tally.summary(name) for name in settings.policies]
 
 
-def _read_inputs(settings: Settings) -> list[data.Example] | dict[str, Any]:
+def _read_inputs(settings: FidelitySettings) -> list[data.Example] | dict[str, Any]:
     """The prompts (or the probe file), read and checked before any model loads."""
     if settings.probe:
         return probe.read(settings.probe)
     return data.load_examples(settings.prompts, settings.data_dir)
 
 
-def _needed(settings: Settings, inputs: list[data.Example] | dict[str, Any]) -> dict[str, int]:
+def _needed(settings: FidelitySettings, inputs: list[data.Example] | dict[str, Any]) -> dict[str, int]:
     """The positions a run needs, known before tokenizing: the probe's whole sequence, or `--tokens` plus one
     prompt token (the prompts' lengths are checked again once they are tokenized)."""
     if settings.probe:
@@ -261,7 +204,7 @@ def _needed(settings: Settings, inputs: list[data.Example] | dict[str, Any]) -> 
     return {f"--tokens {settings.tokens}": settings.tokens + 1}
 
 
-def run(settings: Settings, model=None, tokenizer=None, echo: bool = False) -> list[Path]:
+def run(settings: FidelitySettings, model=None, tokenizer=None, echo: bool = False) -> list[Path]:
     """Run the evaluation and write its outputs; returns their paths. The inputs and the
     `[eval]` extras are checked first, so a bad file fails in well under a second, before
     the model loads. `echo` prints the results table at the end."""
@@ -287,8 +230,8 @@ def run(settings: Settings, model=None, tokenizer=None, echo: bool = False) -> l
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `vasepatch eval fidelity`; `--help` shows every default."""
-    options.use_help_formatter(p)
-    d = Settings()
+    cli_options.use_help_formatter(p)
+    d = FidelitySettings()
     p.add_argument("--model", default=d.model, help="registered name, HF directory or .gguf file")
     p.add_argument("--prompts", default=d.prompts, help="gsm8k:N, math500:N, aime25:N or a .jsonl file[:N]")
     p.add_argument(
@@ -297,8 +240,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a probe JSON file (prompt ids, reference tokens, dense predictions); replaces --prompts",
     )
     p.add_argument("--tokens", type=int_in(2), default=d.tokens, help="length of the sampled reference continuation")
-    options.add_cache_arguments(p, d.config, policies_default="all")
-    options.add_shared_heads_argument(p)
+    cli_options.add_cache_arguments(p, d.config, policies_default="all")
+    cli_options.add_shared_heads_argument(p)
     p.add_argument(
         "--sample-temperature",
         "--reference-temperature",
@@ -318,10 +261,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    settings = Settings(
+    settings = FidelitySettings(
         model=args.model,
-        config=options.cache_config(args),
-        policies=options.parse_policies(args.policies),
+        config=cli_options.cache_config(args),
+        policies=cli_options.parse_policies(args.policies),
         prompts=args.prompts,
         tokens=args.tokens,
         sample_temperature=args.sample_temperature,

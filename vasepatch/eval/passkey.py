@@ -13,26 +13,15 @@ plot of accuracy against depth.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vasepatch.cli_args import check_positions, max_positions
 from vasepatch.eval import answers, grading, haystack, metrics, plots, report
 from vasepatch.eval.progress import Progress
+from vasepatch.eval.task_settings import PASSKEY, TaskSettings
 
-if TYPE_CHECKING:
-    from vasepatch.eval.task import TaskSettings
-
-TASK = "passkey"
 COLUMNS = ("policy", "context_length", "accuracy", "stderr", "n", "prompt_tokens", "kv_bytes")
 DEPTH_COLUMNS = ("policy", "context_length", "depth", "accuracy", "n")
-
-
-def check(context_lengths: list[int], depths: list[float]) -> None:
-    """Raise `ValueError` unless there are positive lengths and depths in [0, 1]."""
-    if not context_lengths or any(not isinstance(n, int) or n < 1 for n in context_lengths):
-        raise ValueError(f"context_lengths must be positive ints, got {context_lengths}")
-    if not depths or any(not 0 <= d <= 1 for d in depths):
-        raise ValueError(f"depths must lie in [0, 1], got {depths}")
 
 
 def items(settings: TaskSettings, tokenizer, length: int) -> list[answers.Item]:
@@ -117,7 +106,7 @@ def run(settings: TaskSettings, model, tokenizer, echo: bool = False) -> list[Pa
     results, by_depth = [], []
     try:  # the bar ends its line before any error is printed
         for name in settings.policies:
-            bar.phase(name, TASK)
+            bar.phase(name, PASSKEY)
             run = settings.policy_run(name, model, make_record, ident=lambda r: (r["context_length"], r["index"]))
             rows, depth_rows = summarise(name, answers.answer_all(run, model, tokenizer, work, bar), settings)
             results += rows
@@ -127,7 +116,7 @@ def run(settings: TaskSettings, model, tokenizer, echo: bool = False) -> list[Pa
     title = "Pass-key retrieval accuracy"
     tables = {"by_depth": (by_depth, DEPTH_COLUMNS)}
     header = settings.header(model)
-    header["grading"] = grading.method(TASK)
+    header["grading"] = grading.method(PASSKEY)
     header["batch_size"] = min(settings.batch_size, settings.samples)  # a batch never mixes context lengths
     plot = plots.passkey_plot(results, by_depth, header)
-    return report.write(Path(settings.out), TASK, header, results, COLUMNS, title, plot, tables=tables, echo=echo)
+    return report.write(Path(settings.out), PASSKEY, header, results, COLUMNS, title, plot, tables=tables, echo=echo)

@@ -1,4 +1,4 @@
-"""The figures of the eval commands, in the shared style (`vasepatch.eval.style`).
+"""The figures of the eval commands, in the shared style (`vasepatch.reporting.style`).
 
 Each `*_figure(results, header)` builds a matplotlib `Figure` from what the command
 writes to JSON (so `vasepatch.eval.replot` redraws committed results), and each
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vasepatch.eval import style
+from vasepatch.reporting import style
 
 Plot = Callable[[Path], None]
 KL_WIDTH = 32  # generated positions averaged per point of the KL curve

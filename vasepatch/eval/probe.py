@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 import vasepatch
 from vasepatch.config import FULL, VaSEConfig
-from vasepatch.eval import data, metrics, options
+from vasepatch.eval import cli_options, data, metrics
+from vasepatch.eval.fidelity_settings import FidelitySettings
 from vasepatch.eval.forcing import teacher_force
-
-if TYPE_CHECKING:
-    from vasepatch.eval.fidelity import Settings
 
 # Our policy names -> the probe file's anchor results of the authors' implementation. (Its kvpress
 # anchors are another library's policies, with known differences, so they are not matched.)
@@ -43,18 +41,18 @@ COLUMNS = (
 )
 
 
-def run_keys(settings: Settings, name: str) -> list[str]:
+def run_keys(settings: FidelitySettings, name: str) -> list[str]:
     """The caches of policy `name`: one per policy seed (one for `full`)."""
     return [FULL] if name == FULL else [f"{name}@{s}" for s in range(settings.seeds)]
 
 
-def probe_configs(settings: Settings) -> dict[str, VaSEConfig]:
+def probe_configs(settings: FidelitySettings) -> dict[str, VaSEConfig]:
     """`{"full": ..., "<policy>@<s>": config with seed + s}`, the reference first."""
     configs = {FULL: settings.config.replace(policy=FULL)}
     for name in settings.policies:
         if name != FULL:
             for s in range(settings.seeds):
-                config = options.run_config(settings.config, name)
+                config = cli_options.run_config(settings.config, name)
                 configs[f"{name}@{s}"] = config.replace(seed=settings.config.seed + s)
     return configs
 
@@ -81,7 +79,7 @@ def force_probe(model, configs: dict[str, VaSEConfig], ids, reference):
 
 def _anchor(anchors: dict[str, Any], name: str) -> Any:
     """The probe file's result for policy `name` (none for a head-shared run: the file has none)."""
-    return None if name.endswith(options.SHARED_SUFFIX) else anchors.get(PROBE_ANCHORS.get(name, ""))
+    return None if name.endswith(cli_options.SHARED_SUFFIX) else anchors.get(PROBE_ANCHORS.get(name, ""))
 
 
 def _row(name: str, keys: list[str], dense, file_dense, argmax, values, anchor) -> dict[str, Any]:
@@ -130,7 +128,9 @@ def read(path: str | Path) -> dict[str, Any]:
     return probe
 
 
-def run_probe(settings: Settings, model, probe: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[dict]]:
+def run_probe(
+    settings: FidelitySettings, model, probe: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], list[dict]]:
     """`(header, one result row per policy)` of the probe `settings.probe` (read here unless given)."""
     if probe is None:
         probe = read(settings.probe)

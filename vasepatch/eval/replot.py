@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vasepatch.eval import grading, plots, style
+from vasepatch.eval import grading, plots
+from vasepatch.reporting import bench_figures, style
 
 TASK_STEMS = tuple(name for name in sorted(grading.GRADERS) if name != "passkey")
 
@@ -30,8 +31,6 @@ def _probe_length(header: dict[str, Any], probe_file: str | None) -> dict[str, A
 
 def replot(folder: Path, probe_file: str | None = None) -> list[Path]:
     """Redraw every known result of `folder`; returns the PNGs written."""
-    from vasepatch.bench import report as bench_report
-
     style.use_agg()
     written = []
     for stem in ("fidelity", "probe", "passkey", *TASK_STEMS):
@@ -52,7 +51,7 @@ def replot(folder: Path, probe_file: str | None = None) -> list[Path]:
         written.append(folder / f"{stem}.png")
     bench = folder / "bench.json"
     if bench.is_file():
-        written += bench_report.plot(json.loads(bench.read_text()), folder)
+        written += bench_figures.plot(json.loads(bench.read_text()), folder)
     return written
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,107 +25,11 @@ from vasepatch.cli_args import (
     number_list,
     output_dir,
 )
-from vasepatch.config import FULL, VaSEConfig
-from vasepatch.eval import answers, data, grading, metrics, options, passkey, plots, report
+from vasepatch.eval import answers, cli_options, data, grading, metrics, passkey, plots, report
 from vasepatch.eval.progress import Progress, require_extras
+from vasepatch.eval.task_settings import PASSKEY, TASK_DEFAULTS, TASKS, TaskSettings
 
-TASKS = sorted(grading.GRADERS)
-# Per kind of task, the defaults of the settings left as None.
-TASK_DEFAULTS = {
-    "math": {"samples": 1, "sample_temperature": 0.6, "max_new_tokens": 1024},
-    passkey.TASK: {"samples": 10, "sample_temperature": 0.0, "max_new_tokens": 12},
-}
 COLUMNS = ("policy", "accuracy", "stderr", "n", "mean_tokens", "loop_rate", "truncated_rate", "kv_bytes")
-
-
-@dataclass
-class TaskSettings:
-    """What `vasepatch eval task` runs (the CLI flags, validated): the cache settings
-    `config` (one per policy: `config.replace(policy=name)`) and the eval's own.
-    `samples`, `sample_temperature` and `max_new_tokens` default per task (`TASK_DEFAULTS`);
-    `limit` and `data_dir` are for the data sets, `context_lengths` and `depths` for `passkey`."""
-
-    model: str = "qwen2.5-coder-0.5b"
-    task: str = "gsm8k"
-    config: VaSEConfig = field(default_factory=options.default_config)
-    policies: list[str] = field(default_factory=lambda: [FULL, "vase"])
-    limit: int = 50
-    samples: int | None = None
-    sample_temperature: float | None = None
-    top_p: float = 0.95
-    max_new_tokens: int | None = None
-    batch_size: int = 8
-    context_lengths: list[int] = field(default_factory=lambda: [1024, 2048])
-    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
-    data_dir: str | None = None
-    out: str = "task-results"
-
-    def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
-        for name, value in TASK_DEFAULTS[self.kind].items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
-        options.check_run(self.config, self.policies)
-        for name in ("limit", "samples", "max_new_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.sample_temperature < float("inf") or not 0 < self.top_p <= 1:
-            raise ValueError(
-                f"need sample_temperature >= 0 and 0 < top_p <= 1, got {self.sample_temperature}, {self.top_p}"
-            )
-        if self.kind == passkey.TASK:
-            passkey.check(self.context_lengths, self.depths)
-
-    @property
-    def kind(self) -> str:
-        return passkey.TASK if self.task == passkey.TASK else "math"
-
-    def decoding(self) -> answers.Decoding:
-        return answers.Decoding(self.max_new_tokens, self.sample_temperature, self.top_p)
-
-    def _own(self) -> dict[str, Any]:
-        """The eval's own settings that the answers depend on."""
-        own: dict[str, Any] = {"model": self.model, "task": self.task, "samples": self.samples}
-        if self.kind == passkey.TASK:
-            own["depths"] = self.depths
-        own.update(
-            sample_temperature=self.sample_temperature,
-            top_p=self.top_p,
-            max_new_tokens=self.max_new_tokens,
-            seed=self.config.seed,
-            batch_size=self.batch_size,
-        )
-        return own
-
-    def run_key(self, name: str, model_class: str) -> dict[str, Any]:
-        """What the records of policy `name` depend on; a resumed run must match it exactly
-        (`full` never evicts, so the cache settings do not matter to it)."""
-        key = {"policy": name, "model_class": model_class, **self._own()}
-        if name != FULL:
-            cache = options.cache_header(self.config)
-            key.update({k: v for k, v in cache.items() if k != "seed"})
-        return key
-
-    def header(self, model) -> dict[str, Any]:
-        """The settings actually used, as written beside the results."""
-        head: dict[str, Any] = {"policies": self.policies, **self._own()}
-        if self.kind == passkey.TASK:
-            head["context_lengths"] = self.context_lengths
-        else:
-            head["limit"] = self.limit
-        return {**head, **options.cache_header(self.config), **options.environment(model)}
-
-    def policy_run(self, name: str, model, make_record, ident) -> answers.PolicyRun:
-        """The answers of policy `name`: `<out>/<task>-<name>.jsonl`, resumable."""
-        return answers.PolicyRun(
-            path=Path(self.out) / f"{self.task}-{name}.jsonl",
-            key=self.run_key(name, type(model).__name__),
-            config=self.config.replace(policy=name),
-            decoding=self.decoding(),
-            ident=ident,
-            make_record=make_record,
-        )
 
 
 def _batches(settings: TaskSettings, examples: list[data.Example], prompts: list[str]):
@@ -222,7 +125,7 @@ def check_length(settings: TaskSettings, limit: int | None) -> None:
     `limit` positions (`max_position_embeddings`), before any prefill."""
     new = settings.max_new_tokens
     needed = {f"--max-new-tokens {new}": new}
-    if settings.kind == passkey.TASK:
+    if settings.kind == PASSKEY:
         n = max(settings.context_lengths)
         needed = {f"--context-lengths {n} with --max-new-tokens {new}": n + new}
     check_positions(settings.model, limit, needed)
@@ -264,13 +167,13 @@ def run(settings: TaskSettings, model=None, tokenizer=None, echo: bool = False) 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `vasepatch eval task`; `--help` shows every default."""
-    options.use_help_formatter(p)
+    cli_options.use_help_formatter(p)
     d = TaskSettings()
-    math_, key = TASK_DEFAULTS["math"], TASK_DEFAULTS[passkey.TASK]
+    math_, key = TASK_DEFAULTS["math"], TASK_DEFAULTS[PASSKEY]
     p.add_argument("--task", default=d.task, choices=TASKS, help="data set to answer, or pass-key retrieval")
     p.add_argument("--model", default=d.model, help="registered name, HF directory or .gguf file")
     p.add_argument("--limit", type=int_in(1), default=d.limit, help="first N problems (data sets)")
-    options.add_cache_arguments(p, d.config, policies_default="full,vase")
+    cli_options.add_cache_arguments(p, d.config, policies_default="full,vase")
     p.add_argument(
         "--samples",
         type=int_in(1),
@@ -318,8 +221,8 @@ def main(args: argparse.Namespace) -> None:
     settings = TaskSettings(
         model=args.model,
         task=args.task,
-        config=options.cache_config(args),
-        policies=options.parse_policies(args.policies),
+        config=cli_options.cache_config(args),
+        policies=cli_options.parse_policies(args.policies),
         limit=args.limit,
         samples=args.samples,
         sample_temperature=args.sample_temperature,

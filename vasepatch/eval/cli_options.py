@@ -1,5 +1,6 @@
-"""What the eval commands share: the cache settings (one `VaSEConfig`, its flags and its
-header), the policy names, and the software versions written beside each result.
+"""The options the eval commands share: the cache settings (one `VaSEConfig`, its flags and its
+header), the policy names (`--policies`, `--shared-heads`), `--help` with every default, and the
+software versions written beside each result. (A policy's own options: `vasepatch.policies.options`.)
 
 The cache settings of a run are one `VaSEConfig`; the config of each policy is
 `config.replace(policy=name)`. `full` (never evict) is a mode of the cache, so it
