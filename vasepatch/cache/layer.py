@@ -257,8 +257,8 @@ class VaSELayer(FixedBatchLayer):
             queries = self.ring.read()
             generator = self.rng.for_eviction(self.plan, self.counters.evictions, self.device)
             kept = eviction.kept_slots(self.policy, keys, values, positions, valid, queries, n, b, window, generator)
-        self.keys[:, :, :b] = keys.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
-        self.values[:, :, :b] = values.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]))
+        self.keys[:, :, :b] = eviction.gather_slots(keys, kept)
+        self.values[:, :, :b] = eviction.gather_slots(values, kept)
         self.valid[:, :, :b] = valid.gather(2, kept)
         self.positions[:, :, :b] = positions.gather(2, kept).masked_fill_(~self.valid[:, :, :b], -1)
         self.valid[:, :, b:n] = False

@@ -24,6 +24,7 @@ sharding-invariant.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -70,6 +71,32 @@ def mix_tensor(x: torch.Tensor) -> torch.Tensor:
 def absorb_tensor(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """`absorb` of int64 values in [0, 2**32) (broadcasting)."""
     return mix_tensor(key ^ mix_tensor((value + _GOLDEN) & MASK32))
+
+
+def _index_mix(start: int, count: int, device: torch.device) -> torch.Tensor:
+    values = torch.arange(start, start + count, device=device, dtype=torch.int64) & MASK32
+    return mix_tensor((values + _GOLDEN) & MASK32)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_index_mix(start: int, count: int, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor, usable in and out of inference mode
+        return _index_mix(start, count, device)
+
+
+def mixed_indices(start: int, count: int, device: torch.device) -> torch.Tensor:
+    """`[count]`: for each `v` in `start, ..., start + count - 1` (mod 2**32) the half of
+    `absorb_tensor(key, v)` that does not depend on the key, `mix((v + GOLDEN) mod 2**32)`. A pure
+    function of host ints: eagerly computed once per (start, count, device) and shared (read only);
+    under compilation computed in the graph."""
+    if torch.compiler.is_compiling():
+        return _index_mix(start, count, device)
+    return _cached_index_mix(start, count, device)
+
+
+def absorb_mixed(key: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+    """`absorb_tensor(key, value)` given `mixed = mixed_indices(...)` of the values (broadcasting)."""
+    return mix_tensor(key ^ mixed)
 
 
 def to_uniform(bits: torch.Tensor) -> torch.Tensor:
@@ -136,20 +163,20 @@ class KeyedGenerator:
         """`[B, H, N]` float32 uniforms in (0, 1), one per (row, KV head, candidate slot)."""
         b, h, n = shape
         key = self._next_key(device)
-        rows = torch.arange(b, device=device, dtype=torch.int64).view(b, 1, 1)
+        device = key.device  # with its index: the key of the cached halves
         if self.shared:
-            heads = torch.full((1, h, 1), SHARED_HEAD, device=device, dtype=torch.int64)
+            heads = mixed_indices(SHARED_HEAD, 1, device).expand(h)
         else:
-            heads = torch.arange(self.head_offset, self.head_offset + h, device=device, dtype=torch.int64)
-            heads = heads.view(1, h, 1) & MASK32
-        slots = torch.arange(n, device=device, dtype=torch.int64).view(1, 1, n)
-        x = absorb_tensor(absorb_tensor(absorb_tensor(key, rows), heads), slots)
-        return to_uniform(x)
+            heads = mixed_indices(self.head_offset, h, device)
+        # = absorb_tensor(absorb_tensor(absorb_tensor(key, rows), heads), slots): the key-free halves are cached
+        x = absorb_mixed(key, mixed_indices(0, b, device).view(b, 1, 1))
+        x = absorb_mixed(x, heads.view(1, h, 1))
+        return to_uniform(absorb_mixed(x, mixed_indices(0, n, device).view(1, 1, n)))
 
     def normal(self, shape: torch.Size | tuple[int, ...], device: torch.device) -> torch.Tensor:
         """Standard normal float32 noise of any `shape`, keyed by the flat index (Box-Muller)."""
         key = self._next_key(device)
-        flat = torch.arange(2 * math.prod(shape), device=device, dtype=torch.int64).view(*shape, 2)
-        u = to_uniform(absorb_tensor(key, flat))
+        flat = mixed_indices(0, 2 * math.prod(shape), key.device).view(*shape, 2)  # = absorb_tensor(key, index)
+        u = to_uniform(absorb_mixed(key, flat))
         radius = torch.sqrt(-2.0 * torch.log(u[..., 0]))
         return radius * torch.cos((2.0 * math.pi) * u[..., 1])

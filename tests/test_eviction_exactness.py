@@ -1,0 +1,207 @@
+"""Issue 22, item 4: the cheaper eviction keeps exactly what the previous one kept.
+
+The eviction now (1) hashes the keyed noise with the key-free halves of the hash cached
+(`keyed.mixed_indices`) and (2) moves the kept slots with one `index_select` of whole rows
+(`eviction.gather_slots`) instead of a `gather` with the slot index expanded over the head
+dimension. Both must change no bit. The reference below is the previous formulation, written
+out here: the chained `absorb_tensor` hash of (key, row, global KV head, slot) and the
+expanded-index `gather`. Every registered policy is driven through the production step
+(`attention_step`) twice, once with the library's eviction and once with the reference, over
+ragged batches, tensor-parallel head offsets, a sliding-window layer with its own budget, and
+an overflowing (chunked) step, and the buffers are compared bit for bit.
+
+Batching the eviction of all layers (stacking their buffers along the batch axis) was measured
+and does not pay on CPU (`benchmarks/eviction_batching.py`); the last test checks that the
+stacking it times keeps the same slots, so its timings compare like with like.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.drive import step
+from vasepatch import VaSEConfig, policies
+from vasepatch.cache import VaSELayer, eviction
+from vasepatch.cache.plan import LayerPlan
+from vasepatch.policies import keyed
+from vasepatch.policies.keyed import MASK32, SHARED_HEAD, KeyedGenerator, absorb_tensor, to_uniform
+
+CPU = torch.device("cpu")
+
+
+class ReferenceGenerator(KeyedGenerator):
+    """The keyed noise as it was computed before the key-free halves were cached."""
+
+    def uniform_candidates(self, shape, device):
+        b, h, n = shape
+        key = self._next_key(device)
+        rows = torch.arange(b, device=device, dtype=torch.int64).view(b, 1, 1)
+        if self.shared:
+            heads = torch.full((1, h, 1), SHARED_HEAD, device=device, dtype=torch.int64)
+        else:
+            heads = torch.arange(self.head_offset, self.head_offset + h, device=device, dtype=torch.int64)
+            heads = heads.view(1, h, 1) & MASK32
+        slots = torch.arange(n, device=device, dtype=torch.int64).view(1, 1, n)
+        return to_uniform(absorb_tensor(absorb_tensor(absorb_tensor(key, rows), heads), slots))
+
+    def normal(self, shape, device):
+        key = self._next_key(device)
+        flat = torch.arange(2 * math.prod(shape), device=device, dtype=torch.int64).view(*shape, 2)
+        u = to_uniform(absorb_tensor(key, flat))
+        return torch.sqrt(-2.0 * torch.log(u[..., 0])) * torch.cos((2.0 * math.pi) * u[..., 1])
+
+    def shared_heads(self):
+        return ReferenceGenerator(self.seed, self.layer, self.eviction, self.head_offset, self.device, shared=True)
+
+
+def reference_gather(src: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    return src.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, src.shape[-1]))
+
+
+@pytest.mark.parametrize(
+    ("seed", "layer", "round_", "offset", "shared", "shape"),
+    [
+        (0, 0, 0, 0, False, (1, 3, 512)),
+        (2**64 - 1, 29, 7, 5, False, (8, 3, 700)),
+        (-5, 3, 1, 3, True, (3, 4, 9)),
+        (7, 3, 1, 2**33 + 1, False, (2, 2, 5)),
+    ],
+)
+def test_the_cached_hash_draws_the_previous_noise(seed, layer, round_, offset, shared, shape):
+    ours = KeyedGenerator(seed, layer, round_, offset, shared=shared)
+    ref = ReferenceGenerator(seed, layer, round_, offset, shared=shared)
+    for _ in range(3):  # successive draws of one eviction
+        assert torch.equal(ours.uniform_candidates(shape, CPU), ref.uniform_candidates(shape, CPU))
+    assert torch.equal(ours.normal((64, 20), CPU), ref.normal((64, 20), CPU))
+
+
+def test_the_cached_halves_serve_inside_and_outside_inference_mode():
+    keyed._cached_index_mix.cache_clear()
+    with torch.inference_mode():
+        inside = KeyedGenerator(1, 2, 3, 4).uniform_candidates((2, 3, 11), CPU)
+    cached = keyed.mixed_indices(0, 11, CPU)
+    assert not cached.is_inference()  # made outside inference mode, usable by any later eviction
+    outside = KeyedGenerator(1, 2, 3, 4).uniform_candidates((2, 3, 11), CPU)
+    assert torch.equal(inside, outside)
+    assert keyed.mixed_indices(0, 11, CPU) is cached
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 5, 1), (2, 3, 17, 4), (8, 3, 576, 64)])
+def test_gather_slots_is_the_expanded_gather(shape):
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(shape, generator=g)
+    b, h, s, _ = shape
+    kept = torch.stack([torch.randperm(s, generator=g)[: max(1, s - 3)] for _ in range(b * h)]).view(b, h, -1)
+    assert torch.equal(eviction.gather_slots(src, kept), reference_gather(src, kept))
+    assert torch.equal(
+        eviction.gather_slots(src.transpose(0, 1).contiguous().transpose(0, 1), kept),
+        src.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, shape[-1])),
+    )  # a non-contiguous source is copied, not misread
+
+
+class _Reference:
+    """Within the block, layers evict with the reference noise and the expanded-index gather."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch = monkeypatch
+
+    def __enter__(self):
+        def for_eviction(rng, plan, round_, device):
+            return ReferenceGenerator(rng.generation_seed(), plan.index, round_, plan.head_offset, device)
+
+        from vasepatch.cache.randomness import EvictionRandomness
+
+        self.monkeypatch.setattr(EvictionRandomness, "for_eviction", for_eviction)
+        self.monkeypatch.setattr(eviction, "gather_slots", reference_gather)
+
+    def __exit__(self, *exc):
+        self.monkeypatch.undo()
+
+
+def _drive(layer: VaSELayer, batch: int, kv_heads: int, steps: list[int], padded: bool, seed: int) -> int:
+    """Feed `steps` (tokens per step) of random K/V/Q; the first step left-pads rows 1.. when
+    `padded`. Returns the number of steps that evicted."""
+    g = torch.Generator().manual_seed(seed)
+    d, group, evictions = 8, 2, 0
+    for i, q_len in enumerate(steps):
+        k, v = (torch.randn(batch, kv_heads, q_len, d, generator=g) for _ in range(2))
+        q = torch.randn(batch, kv_heads * group, q_len, d, generator=g)
+        padding = None
+        if padded and i == 0:
+            padding = torch.ones(batch, q_len, dtype=torch.long)
+            for row in range(1, batch):
+                padding[row, : 3 * row] = 0
+        elif padded:
+            padding = torch.ones(batch, q_len, dtype=torch.long)
+        evictions += step(layer, k, v, q, padding)[1]
+    return evictions
+
+
+def _state(layer: VaSELayer) -> tuple[torch.Tensor, ...]:
+    return layer.keys.clone(), layer.values.clone(), layer.positions.clone(), layer.valid.clone()
+
+
+CASES = {
+    "global": dict(plan=LayerPlan(3), batch=1, heads=2, padded=False, steps=[40] + [1] * 30),
+    "ragged": dict(plan=LayerPlan(5), batch=3, heads=2, padded=True, steps=[37] + [1] * 30),
+    "tensor-parallel": dict(plan=LayerPlan(2, head_offset=6), batch=2, heads=3, padded=True, steps=[30] + [1] * 25),
+    "sliding": dict(plan=LayerPlan(1, sliding_window=24), batch=2, heads=2, padded=True, steps=[33] + [1] * 30),
+    "chunked": dict(plan=LayerPlan(4), batch=2, heads=2, padded=False, steps=[9, 9, 9, 9, 9, 1, 1, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("name", policies.available())
+def test_every_policy_keeps_exactly_what_the_previous_eviction_kept(name, case, monkeypatch):
+    c = CASES[case]
+    config = VaSEConfig(budget=16, window=4, policy=name, seed=11, protect=6)
+    runs = []
+    for reference in (False, True):
+        layer = VaSELayer(config, policies.for_config(config), plan=c["plan"])
+        if reference:
+            with _Reference(monkeypatch):
+                n = _drive(layer, c["batch"], c["heads"], c["steps"], c["padded"], seed=3)
+        else:
+            n = _drive(layer, c["batch"], c["heads"], c["steps"], c["padded"], seed=3)
+        runs.append((n, layer.counters.evictions, _state(layer)))
+    (n_ours, rounds, ours), (n_ref, ref_rounds, ref) = runs
+    assert n_ours == n_ref and rounds == ref_rounds and rounds >= 2
+    for got, want in zip(ours, ref, strict=True):
+        assert torch.equal(got, want)
+
+
+class _StackedGenerator(KeyedGenerator):
+    """The keyed noise of several layers' evictions stacked along the batch axis (what
+    `benchmarks/eviction_batching.py` times): layer `l`'s rows `l*B .. l*B + B - 1`."""
+
+    def __init__(self, gens: list[KeyedGenerator], batch: int):
+        super().__init__(0, 0, 0)  # a policy that draws no keyed noise is handed a torch.Generator it ignores
+        self.gens, self.batch = gens, batch
+
+    def uniform_candidates(self, shape, device):
+        b = self.batch
+        return torch.cat([gen.uniform_candidates((b, *shape[1:]), device) for gen in self.gens])
+
+
+@pytest.mark.parametrize("name", ["vase", "snapkv", "rkv", "cur", "random", "protect-random"])
+def test_stacking_the_layers_keeps_the_same_slots(name):
+    """The stacked eviction the benchmark times keeps what each layer keeps on its own."""
+    g = torch.Generator().manual_seed(1)
+    policy = policies.get(name, protect=8)
+    b, h, n, d, budget, window, layers = 2, 3, 40, 16, 24, 8, 4
+    inputs = []
+    for _ in range(layers):
+        k, v = torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g)
+        pos = torch.arange(n).expand(b, h, n).clone()
+        valid = torch.ones(b, h, n, dtype=torch.bool)
+        valid[1, :, :5], pos[1, :, :5] = False, -1
+        inputs.append((k, v, pos, valid, torch.randn(b, 2 * h, window, d, generator=g)))
+    gens = [KeyedGenerator(5, i, 2, 3) for i in range(layers)]
+    one = [eviction.kept_slots(policy, *x, n, budget, window, gen) for x, gen in zip(inputs, gens, strict=True)]
+    stacked = [torch.cat([x[i] for x in inputs]) for i in range(5)]
+    fresh = [KeyedGenerator(5, i, 2, 3) for i in range(layers)]
+    together = eviction.kept_slots(policy, *stacked, n, budget, window, _StackedGenerator(fresh, b))
+    assert torch.equal(together, torch.cat(one))
