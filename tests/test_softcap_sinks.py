@@ -99,10 +99,10 @@ def test_kernel_matches_naive(q_len, kernel):
     mask[..., 0] = True
     sinks = torch.randn(hkv * groups, generator=g)
     for softcap, sk in ((0.7, None), (None, sinks), (2.0, sinks)):
-        got = grouped_attention(q, k, v, mask, 0.3, kernel, softcap=softcap, sinks=sk)
+        got = grouped_attention(q, k, v, mask, 0.3, kernel, softcap=softcap, sink_logits=sk)
         assert torch.allclose(got, _naive(q, k, v, mask, 0.3, softcap, sk), atol=1e-5)
     plain = grouped_attention(q, k, v, mask, 0.3, kernel)
-    assert not torch.allclose(plain, grouped_attention(q, k, v, mask, 0.3, kernel, sinks=sinks), atol=1e-3)
+    assert not torch.allclose(plain, grouped_attention(q, k, v, mask, 0.3, kernel, sink_logits=sinks), atol=1e-3)
 
 
 @pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn"])
@@ -114,6 +114,6 @@ def test_varlen_backends_route_to_the_math_path(backend):
     sinks = torch.randn(4, generator=g)
     for n in (7, 1, 1):
         k, v, q = (torch.randn(1, h, n, 8, generator=g) for h in (2, 2, 4))
-        out, _ = attention_step(layers[0], q, k, v, None, 0.35, backend, softcap=1.5, sinks=sinks)
-        expected, _ = attention_step(layers[1], q, k, v, None, 0.35, "eager", softcap=1.5, sinks=sinks)
+        out, _ = attention_step(layers[0], q, k, v, None, 0.35, backend, softcap=1.5, sink_logits=sinks)
+        expected, _ = attention_step(layers[1], q, k, v, None, 0.35, "eager", softcap=1.5, sink_logits=sinks)
         assert torch.allclose(out, expected, atol=1e-6)

@@ -104,7 +104,7 @@ def vasepatch_attention(
     if layer is None:
         return _without_vase_cache(module, query, key, value, attention_mask, scaling, dropout, backend, **kwargs)
     _check_window(layer, kwargs.get("sliding_window"))
-    extras = {"softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
+    extras = {"softcap": kwargs.get("softcap"), "sink_logits": kwargs.get("s_aux")}
     if dropout:
         raise RuntimeError(
             f"attention dropout ({dropout:g}) in training mode is not applied by the vasepatch cache; "
@@ -120,7 +120,8 @@ def vasepatch_attention(
             stacklevel=2,
         )
         return attention_step(layer, query, key, value, attention_mask, scaling, backend, **extras)[0], None
-    return attention_with_weights(layer, query, key, value, attention_mask, scaling, **extras)
+    out, _, probs = attention_step(layer, query, key, value, attention_mask, scaling, **extras, weights=True)
+    return out, probs
 
 
 def _check_window(layer: VaSELayer, sliding_window: Any) -> None:
@@ -162,35 +163,8 @@ def _without_vase_cache(
         )
     window = kwargs.get("sliding_window")
     mask = causal_padding_mask(attention_mask, query.shape[-2], key.shape[-2], query.device, window)
-    extras = {"softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
-    return grouped_attention(query, key, value, mask, scaling, _kernel(backend), dropout, **extras), None
-
-
-def attention_with_weights(
-    layer: VaSELayer,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    padding: torch.Tensor | None,
-    scaling: float,
-    *,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attention_step` with the eager kernel, also returning the attention weights
-    `[B, Hq, Q, S]` over the step's cache slots (for `output_attentions=True`). Before the
-    first eviction slot `s` holds sequence position `s`, so they equal transformers' eager
-    weights; after it, column `s` is whatever token slot `s` holds."""
-    step = layer.append(key, value, padding)
-    with _undo_on_error(layer, step):
-        n = step.length
-        keys, values = step.keys[:, :, :n], step.values[:, :, :n]
-        out, probs = eager_attention_with_weights(
-            query, keys, values, step.mask(), scaling, softcap=softcap, sinks=sinks
-        )
-        layer.record_queries(query, step)
-        layer.evict_if_due(step)
-    return out, probs
+    extras = {"softcap": kwargs.get("softcap"), "sink_logits": kwargs.get("s_aux")}
+    return grouped_attention(query, key, value, mask, scaling, _masked_backend(backend), dropout, **extras), None
 
 
 def attention_step(
@@ -203,8 +177,9 @@ def attention_step(
     backend: str = "sdpa",
     *,
     softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, bool]:
+    sink_logits: torch.Tensor | None = None,
+    weights: bool = False,
+) -> tuple[torch.Tensor, bool] | tuple[torch.Tensor, bool, torch.Tensor]:
     """One attention step of one layer, the whole data path: append the step's K/V,
     attend, record the queries, evict if due. Returns the output `[B, Q, Hq, D]` and
     whether the step ended with an eviction (always False under compilation, where the
@@ -212,13 +187,24 @@ def attention_step(
 
     `query` `[B, Hq, Q, D]`, `key`/`value` `[B, Hkv, Q, D]` (after RoPE), `padding` the
     2-D mask (`[B, >= Q]`, 1 = real token) or None; `softcap` (logit soft-capping) and
-    `sinks` (`[Hq]` learned sink logits) as the model's attention module passes them."""
+    `sink_logits` (`[Hq]` learned attention-sink logits, gpt-oss's `s_aux`) as the model's
+    attention module passes them. `weights=True` (for `output_attentions=True`) attends with the
+    eager kernel and also returns the weights `[B, Hq, Q, S]` over the step's cache slots: before
+    the first eviction slot `s` holds sequence position `s`, so they equal transformers' eager
+    weights; after it, column `s` is whatever token slot `s` holds."""
     step = layer.append(key, value, padding)
     with _undo_on_error(layer, step):
-        out = attend(backend, query, key, value, step, scaling, softcap=softcap, sinks=sinks)
+        if weights:
+            n = step.length
+            keys, values = step.keys[:, :, :n], step.values[:, :, :n]
+            out, probs = eager_attention_with_weights(
+                query, keys, values, step.mask(), scaling, softcap=softcap, sink_logits=sink_logits
+            )
+        else:
+            out = attend(backend, query, key, value, step, scaling, softcap=softcap, sink_logits=sink_logits)
         layer.record_queries(query, step)
         evicted = layer.evict_if_due(step)
-    return out, evicted
+    return (out, evicted, probs) if weights else (out, evicted)
 
 
 def _undo_on_error(layer: VaSELayer, step: Step) -> AbstractContextManager[None]:
@@ -236,7 +222,7 @@ def attend(
     scaling: float,
     *,
     softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a step's queries over what `step` holds, with `backend`.
 
@@ -246,10 +232,10 @@ def attend(
     unless the prompt is longer than the layer's sliding window. With `sdpa`, a first step
     within any sliding window is causal attention over its own tokens (unpadded: no mask in
     memory; padded: one `[B, 1, Q, Q]` mask for every head). Everything else, and any step
-    with `softcap` or `sinks` (the eager math path), uses the masked grouped kernel over the
+    with `softcap` or `sink_logits` (the eager math path), uses the masked grouped kernel over the
     step's first `length` slots, without a mask for a decode step whose slots are all visible
     (`step.dense`: eagerly, a global layer that never took padding)."""
-    math = softcap is not None or sinks is not None
+    math = softcap is not None or sink_logits is not None
     w = step.sliding_window
     within = w is None or step.q_len <= w  # causal over the step's own tokens is exact
     if backend in backends.VARLEN_BACKENDS and not math:
@@ -263,13 +249,14 @@ def attend(
         padded = not bool(step.new_valid.all())
         return causal_attention(query, key, value, scaling, step.new_valid if padded else None)
     n = step.length
-    kernel = "eager" if math else _kernel(backend)
+    masked = "eager" if math else _masked_backend(backend)
     keys, values = step.keys[:, :, :n], step.values[:, :, :n]
     mask = None if step.dense and step.q_len == 1 else step.mask()  # a decode step that sees every slot: no mask
-    return grouped_attention(query, keys, values, mask, scaling, kernel, softcap=softcap, sinks=sinks)
+    return grouped_attention(query, keys, values, mask, scaling, masked, softcap=softcap, sink_logits=sink_logits)
 
 
-def _kernel(backend: str) -> str:
+def _masked_backend(backend: str) -> str:
+    """The masked kernel (`kernels.MASKED_BACKENDS`) that stands in for `backend` where it has none."""
     return "eager" if backend == "eager" else "sdpa"
 
 

@@ -48,23 +48,23 @@ def grouped_probs(
     scaling: float,
     q_len: int,
     softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention probabilities `[B, Hkv, G*Q, S]` of grouped queries `q` (`[B, Hkv, G*Q, D]`,
     from `_group`) over `key` under the grouped `mask`, in the query dtype (softmax in float32).
 
-    `softcap`: logits become `softcap * tanh(logits / softcap)` before the mask. `sinks`
+    `softcap`: logits become `softcap * tanh(logits / softcap)` before the mask. `sink_logits`
     (`[Hq]`): one more logit per query head in the softmax's denominator, dropped after it."""
     scores = torch.matmul(q, key.transpose(-1, -2)) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is None:
+    if sink_logits is None:
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     b, h_kv, gq, _ = scores.shape
     g = gq // q_len
-    sink = sinks.to(scores.dtype).reshape(1, h_kv, g, 1, 1).expand(b, h_kv, g, q_len, 1).reshape(b, h_kv, gq, 1)
+    sink = sink_logits.to(scores.dtype).reshape(1, h_kv, g, 1, 1).expand(b, h_kv, g, q_len, 1).reshape(b, h_kv, gq, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
     return probs[..., :-1].to(q.dtype)
 
@@ -79,18 +79,18 @@ def grouped_attention(
     dropout: float = 0.0,
     *,
     softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked softmax attention with GQA by grouping; `backend` is `"sdpa"` or `"eager"`
-    (`softcap` or `sinks` given: always the eager math path). `mask=None`: every query sees
+    (`softcap` or `sink_logits` given: always the eager math path). `mask=None`: every query sees
     every key (a decode step over slots that are all visible)."""
     if backend not in MASKED_BACKENDS:
         raise ValueError(f"backend must be one of {MASKED_BACKENDS}, got {backend!r}")
     q, m = _group(query, mask, key.shape[1])
-    if backend == "sdpa" and softcap is None and sinks is None:
+    if backend == "sdpa" and softcap is None and sink_logits is None:
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=m, dropout_p=dropout, scale=scaling)
     else:
-        probs = grouped_probs(q, key, m, scaling, query.shape[-2], softcap, sinks)
+        probs = grouped_probs(q, key, m, scaling, query.shape[-2], softcap, sink_logits)
         if dropout:
             probs = F.dropout(probs, p=dropout)
         out = torch.matmul(probs, value)
@@ -105,12 +105,12 @@ def eager_attention_with_weights(
     scaling: float,
     *,
     softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The eager math path, also returning its weights: `([B, Q, Hq, D], [B, Hq, Q, S])`."""
     b, h_q, q_len, _ = query.shape
     q, m = _group(query, mask, key.shape[1])
-    probs = grouped_probs(q, key, m, scaling, q_len, softcap, sinks)
+    probs = grouped_probs(q, key, m, scaling, q_len, softcap, sink_logits)
     return _ungroup(torch.matmul(probs, value), h_q), probs.reshape(b, h_q, q_len, key.shape[-2])
 
 
