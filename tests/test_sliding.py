@@ -47,7 +47,7 @@ def _check_layers(model, cache, config: VaSEConfig) -> None:
         if w is None:
             assert c.evictions == 0
         elif w <= config.budget or config.policy == "full":
-            assert layer.window_only and c.capacity == w + config.window and c.evictions > 0
+            assert layer.sliding_only and c.capacity == w + config.window and c.evictions > 0
             assert c.occupancy <= w + config.window
         assert not torch.isnan(layer.keys).any()
 
@@ -183,7 +183,7 @@ def test_window_only_layer_is_exact_for_any_step_sizes(seed, policy):
     g = torch.Generator().manual_seed(seed)
     w = int(torch.randint(2, 9, (), generator=g))
     layer = _layer(window=w, budget=16, policy=policy)
-    assert layer.window_only
+    assert layer.sliding_only
     keys, values, pos = torch.zeros(2, 2, 0, 8), torch.zeros(2, 2, 0, 8), torch.zeros(2, 0, dtype=torch.long)
     pad = int(torch.randint(1, 6, (), generator=g))
     for i, n in enumerate([pad + 3, *torch.randint(1, 13, (12,), generator=g).tolist()]):
@@ -208,7 +208,7 @@ def test_window_only_layer_is_exact_for_any_step_sizes(seed, policy):
 
 def test_window_over_budget_drops_out_of_window_tokens_first():
     layer = _layer(window=20, budget=8, sinks=2)
-    assert not layer.window_only and layer.budget == 8
+    assert not layer.sliding_only and layer.budget == 8
     g = torch.Generator().manual_seed(1)
     for n in (30, *([1] * 40)):
         step(layer, torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 4, n, 8))
@@ -260,8 +260,8 @@ def test_pure_selection_and_plan_checks():
     assert sliding.recent_slots(6, 3, valid).tolist() == [[[3, 4, 5]]]
     with pytest.raises(ValueError, match="keep the last"):
         sliding.recent_slots(2, 3, valid)
-    assert sliding.window_only(8, 16, True) and sliding.window_only(40, 16, False)
-    assert not sliding.window_only(40, 16, True) and not sliding.window_only(None, 16, False)
+    assert sliding.sliding_only(8, 16, True) and sliding.sliding_only(40, 16, False)
+    assert not sliding.sliding_only(40, 16, True) and not sliding.sliding_only(None, 16, False)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="sliding_window"):
             VaSECache(VaSEConfig(budget=16, window=4), None, 1, plans=(LayerPlan(0, bad),))

@@ -72,11 +72,11 @@ class VaSELayer(FixedBatchLayer):
         self.plan = plan if plan is not None else LayerPlan(0)
         self.policy = policy
         # A sliding layer whose window fits the budget (or has no policy) keeps exactly its window:
-        # budget `w`, no policy, no `keep` prefill (see `vasepatch.cache.sliding`).
-        self.window_only = sliding.window_only(self.plan.sliding_window, config.budget, policy is not None)
-        self.budget = self.plan.sliding_window if self.window_only else config.budget  # slots an eviction keeps
-        self.prefill = "compress" if self.window_only else config.prefill
-        self.evicts = policy is not None or self.window_only
+        # budget = the sliding window, no policy, no `keep` prefill (see `vasepatch.cache.sliding`).
+        self.sliding_only = sliding.sliding_only(self.plan.sliding_window, config.budget, policy is not None)
+        self.budget = self.plan.sliding_window if self.sliding_only else config.budget  # slots an eviction keeps
+        self.prefill = "compress" if self.sliding_only else config.prefill
+        self.evicts = policy is not None or self.sliding_only
         self.rng = rng if rng is not None else EvictionRandomness(config.seed)
         self.counters = counters if counters is not None else LayerCounters()
         self.ring = QueryRing(config.window)
@@ -144,7 +144,7 @@ class VaSELayer(FixedBatchLayer):
         reuse.refit(self, key_states)  # eagerly: a used layer refuses other inputs; a reset one re-allocates
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        q_len, w = key_states.shape[-2], self.plan.sliding_window
+        q_len, sliding_window = key_states.shape[-2], self.plan.sliding_window
         compiling = torch.compiler.is_compiling()
         overflow = False if compiling else self._make_room(key_states, value_states)  # may raise: nothing moved yet
         if padding is not None:
@@ -157,16 +157,16 @@ class VaSELayer(FixedBatchLayer):
         buffers = (self.keys, self.values, self.positions, self.valid)
         first, occ = not compiling and self.counters.tokens_seen == 0, self.counters.occupancy
         if overflow:
-            return overflow_step(buffers, occ, key_states, value_states, new_pos, new_valid, first, w)
+            return overflow_step(buffers, occ, key_states, value_states, new_pos, new_valid, first, sliding_window)
         slots = writes.write_at_fill(buffers, self.fill, self.slot_index, key_states, value_states, new_pos, new_valid)
         length = self.capacity if compiling else occ + q_len  # compiled: static shapes, no host counter is read
-        return Step(*buffers, length, slots, new_valid, self.fill, first, False, w)
+        return Step(*buffers, length, slots, new_valid, self.fill, first, False, sliding_window)
 
     def _append_real(self, key_states: torch.Tensor, value_states: torch.Tensor) -> Step:
         """Eagerly, real tokens into a layer that never held padding and has room for them: written at
         the host-known occupancy (`writes.write_real`). The device counters advance as in any step; a
         global layer's step is `dense` (every slot up to its length visible)."""
-        c, q_len, w = self.counters, key_states.shape[-2], self.plan.sliding_window
+        c, q_len, sliding_window = self.counters, key_states.shape[-2], self.plan.sliding_window
         buffers = (self.keys, self.values, self.positions, self.valid)
         writes.write_real(buffers, c.occupancy, c.tokens_seen, key_states, value_states)
         for t in (self.next_position, self.seen, self.fill):
@@ -174,7 +174,7 @@ class VaSELayer(FixedBatchLayer):
         new_valid = self._real_row if q_len == 1 else self._real_row.expand(-1, q_len)
         slots = self.slot_index.narrow(0, c.occupancy, q_len)
         length, first = c.occupancy + q_len, c.tokens_seen == 0
-        return Step(*buffers, length, slots, new_valid, self.fill, first, False, w, w is None)
+        return Step(*buffers, length, slots, new_valid, self.fill, first, False, sliding_window, sliding_window is None)
 
     def _make_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Eagerly, before a step moves anything: whether it must take the overflow path. Grows the buffer
@@ -197,7 +197,7 @@ class VaSELayer(FixedBatchLayer):
 
     def record_queries(self, query: torch.Tensor, step: Step) -> None:
         """Keep the queries (after RoPE, `[B, Hq, Q, D]`) of the last `window` tokens."""
-        if self.policy is not None and not self.window_only:
+        if self.policy is not None and not self.sliding_only:
             self.ring.write(query, step.new_valid)
 
     def evict_if_due(self, step: Step) -> bool:
@@ -216,11 +216,11 @@ class VaSELayer(FixedBatchLayer):
             self.ring.advance(q_len)  # the compiled step wrote the ring at its device pointer
         return self._settle(q_len, None) if q_len else False
 
-    def _settle(self, q_len: int, overflow: Step | None) -> bool:
+    def _settle(self, q_len: int, overflowed: Step | None) -> bool:
         """Evict if due, then count the step (the host counters change only once it has succeeded)."""
-        c, evicts = self.counters, overflow is not None or self.due(q_len)
+        c, evicts = self.counters, overflowed is not None or self.due(q_len)
         if evicts:  # an overflow step's tokens are in its temporaries, the others in the buffer
-            src, n = (overflow, overflow.length) if overflow is not None else (self, c.occupancy + q_len)
+            src, n = (overflowed, overflowed.length) if overflowed is not None else (self, c.occupancy + q_len)
             self._compact(src.keys, src.values, src.positions, src.valid, n)
         else:
             c.occupancy += q_len
@@ -246,17 +246,19 @@ class VaSELayer(FixedBatchLayer):
     # --- eviction ---------------------------------------------------------------------------
     def _compact(self, keys, values, positions, valid, n: int) -> None:
         """Keep `budget` of the first `n` slots of (keys, values, positions, valid), gathered to the
-        front of the buffer: the most recent ones in a window-only sliding layer, else those chosen
+        front of the buffer: the most recent ones in a `sliding_only` layer, else those chosen
         by `eviction.kept_slots` (in a sliding layer among the tokens still in the window: the others
         count as padding, never candidates while real ones are left, never attended)."""
-        b, w, window = self.budget, self.plan.sliding_window, self.config.window
-        if self.window_only:
+        b, recent = self.budget, self.config.window  # the `window` most recent slots are always kept
+        sliding_window = self.plan.sliding_window  # None: a global layer
+        if self.sliding_only:
             kept = sliding.recent_slots(n, b, valid)
         else:
-            valid = valid if w is None else sliding.in_window(positions, valid, self.next_position, w)
+            if sliding_window is not None:  # tokens out of the window count as padding
+                valid = sliding.in_window(positions, valid, self.next_position, sliding_window)
             queries = self.ring.read()
             generator = self.rng.for_eviction(self.plan, self.counters.evictions, self.device)
-            kept = eviction.kept_slots(self.policy, keys, values, positions, valid, queries, n, b, window, generator)
+            kept = eviction.kept_slots(self.policy, keys, values, positions, valid, queries, n, b, recent, generator)
         self.keys[:, :, :b] = eviction.gather_slots(keys, kept)
         self.values[:, :, :b] = eviction.gather_slots(values, kept)
         self.valid[:, :, :b] = valid.gather(2, kept)

@@ -5,7 +5,7 @@ position `p` sees the keys at positions `> p - w` (itself and the `w - 1` tokens
 Positions count real tokens (left padding has none), so with left padding this is the same
 window transformers builds over padded cache indices.
 
-What such a layer keeps (`window_only`):
+What such a layer keeps (`sliding_only`):
 
 - `w <= budget`, or no policy at all (`policy="full"`): the layer keeps exactly its window.
   It needs no policy and no scores: its buffer has `w + window` slots, and every `window`
@@ -34,7 +34,7 @@ def check_window(sliding_window: int | None) -> None:
         raise ValueError(f"LayerPlan.sliding_window must be None or an int >= 1, got {sliding_window!r}")
 
 
-def window_only(sliding_window: int | None, budget: int, has_policy: bool) -> bool:
+def sliding_only(sliding_window: int | None, budget: int, has_policy: bool) -> bool:
     """Whether a layer keeps exactly its sliding window (the last `w` tokens, no policy):
     a sliding layer whose window fits the budget, or any sliding layer without a policy."""
     check_window(sliding_window)

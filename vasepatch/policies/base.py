@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from vasepatch.policies import scoring, shared
-from vasepatch.policies.keyed import KeyedGenerator, reads_keys
+from vasepatch.policies.keyed import KeyedGenerator, marked_keyed
 
 INPUTS = ("keys", "values", "queries", "positions", "valid", "n_keep", "generator")
 PriorityFn = Callable[..., torch.Tensor]
@@ -114,7 +114,7 @@ class Policy:
         if isinstance(generator, KeyedGenerator):
             if self.shared_heads:
                 generator = generator.shared_heads()  # one noise per slot for all heads
-            if not reads_keys(self.priority):  # a function that calls torch.rand(..., generator=...)
+            if not marked_keyed(self.priority):  # a function that calls torch.rand(..., generator=...)
                 generator = generator.torch_generator()
         given = {"keys": keys, "values": values, "queries": queries, "positions": positions}
         given.update(valid=valid, n_keep=n_keep, generator=generator)

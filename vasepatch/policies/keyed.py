@@ -114,7 +114,7 @@ def draws_keyed_noise(fn):
     return fn
 
 
-def reads_keys(fn) -> bool:
+def marked_keyed(fn) -> bool:
     """Whether a priority function is marked by `draws_keyed_noise`."""
     return bool(getattr(fn, "draws_keyed_noise", False))
 
