@@ -1,5 +1,6 @@
 """The eviction schedule (`vasepatch.cache.schedule`): pure functions of host ints, checked
-by simulating the host counters of one layer over random token streams."""
+by simulating the host counters of one layer over random token streams, plus hand-picked cases that
+killed a mutant of the mutation check (`benchmarks/mutation/run.sh`)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,12 @@ def test_the_first_step_compresses_only_in_compress_mode(s):
     occ = min(prompt, cap)
     due = schedule.evict_now(budget, window, cap, occ, first_step=True, prefill=prefill)
     assert due == (prefill == "compress" and prompt > budget)
+
+
+def test_tokens_until_eviction_when_twice_the_budget_is_not_a_multiple_of_the_window():
+    """`schedule.tokens_until_eviction` mutant `-(nxt + budget) % window`: the same as the right
+    `-(nxt - budget) % window` whenever `2 * budget` is a multiple of `window`, so the usual
+    budgets (16, 256) hid it. budget 5, window 4: evictions at occupancy 9, 13, ..."""
+    assert schedule.tokens_until_eviction(5, 4, 9, 3) == 6
+    assert schedule.tokens_until_eviction(5, 4, 13, 9) == 4
+    assert schedule.tokens_until_eviction(7, 2, 9, 7) == 2

@@ -1,4 +1,7 @@
-"""Every non-VaSE policy and the VaSE ablations on hand-computed cases."""
+"""Every non-VaSE policy and the VaSE ablations on hand-computed cases.
+
+A test whose docstring names a mutant was written for one that survived the mutation check
+(`benchmarks/mutation/run.sh`, recorded in `docs/results/mutation/`)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 from tests.test_policies import _case, _kept
 from vasepatch import policies
 from vasepatch.policies import scoring
+from vasepatch.policies.vase import protected_mask
 
 
 def test_every_registered_name_builds_with_the_common_options():
@@ -68,6 +72,18 @@ def test_cur_scores_hand_computed():
     assert torch.allclose(scoring.cur_scores(keys, values, g, valid).flatten(), expected)
 
 
+def test_cur_scores_are_zero_for_invalid_candidates_and_sum_to_one():
+    """`scoring.cur_scores` mutant `masked_fill(~valid, 1.0)`: invalid candidates scored, and
+    the valid ones no longer summing to 1 (top-k over them is unchanged, the scores are not)."""
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 1, 7, 8, generator=g), torch.randn(2, 1, 7, 8, generator=g)
+    valid = torch.ones(2, 1, 7, dtype=torch.bool)
+    valid[0, 0, :3] = False
+    s = scoring.cur_scores(keys, values, scoring.gaussian_projection(8, 4, keys.device, g), valid)
+    assert torch.equal(s[~valid], torch.zeros_like(s[~valid]))
+    torch.testing.assert_close(s.sum(-1), torch.ones(2, 1))
+
+
 def _dkv_case(n=12, d=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     keys, values = torch.randn(1, 2, n, d, generator=g), torch.randn(1, 2, n, d, generator=g)
@@ -96,6 +112,14 @@ def test_dkv_is_top_k_of_the_cur_score():
     g = scoring.gaussian_projection(8, 20, torch.device("cpu"), torch.Generator().manual_seed(3))
     expected = scoring.cur_scores(keys, values, g, valid).topk(5).indices
     assert torch.equal(idx.sort().values, expected.sort().values)
+
+
+def test_dkv_head_dim_mismatch_names_the_problem():
+    """`dkv` mutant upper-casing its message: the error text users see."""
+    keys, values = torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 4)
+    positions, valid = torch.arange(6).expand(1, 1, 6), torch.ones(1, 1, 6, dtype=torch.bool)
+    with pytest.raises(ValueError, match="dkv projects keys and values with one G: head dims must match"):
+        policies.dkv(keys, values, positions, valid, None)
 
 
 def test_streaming_keeps_sinks_and_the_most_recent():
@@ -147,6 +171,17 @@ def test_protect_random_protects_random_candidates():
     draws = [tuple(_kept(policy, 3, generator=torch.Generator().manual_seed(s))) for s in range(40)]
     assert all(d[0] == 0 and 5 in d for d in draws)  # the sink and the most attended
     assert len(set(draws)) >= 3
+
+
+def test_random_protection_draws_on_the_candidates_device():
+    """`vase.protected_mask` mutant `torch.rand(..., device=None)`: the `protect-random` draw
+    landed on the default device (the CPU) whatever the cache's device; on a GPU that fails. The
+    `meta` device stands in for one here."""
+    valid = torch.ones(1, 2, 6, dtype=torch.bool, device="meta")
+    positions = torch.arange(6, device="meta").expand(1, 2, 6)
+    values = torch.empty(1, 2, 6, 4, device="meta")
+    mask = protected_mask(values, positions, valid, 3, None, protect=3, sinks=1, score="range", protection="random")
+    assert mask.device.type == "meta" and mask.shape == (1, 2, 6)
 
 
 def test_vase_topk_is_deterministic():

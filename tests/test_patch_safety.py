@@ -1,7 +1,10 @@
 """Issue 12: every way a user can reach a patched model gives the right answer or a clear error.
 
 One test (or more) per defect: compiled wrappers (1), copies and pickles (2), static caches (4),
-`output_attentions` (5), stale handles (7), used caches (8), training mode (9), threads (10).
+`output_attentions` (5), stale handles (7), used caches (8), training mode (9), threads (10); and the
+attention function called without a vasepatch cache (a compiled call, or outside a patched forward). The
+tests whose docstring names a mutant were written for one that survived the mutation check
+(`benchmarks/mutation/run.sh`, recorded in `docs/results/mutation/`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import copy
 import io
 import threading
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,8 +22,11 @@ from packaging.version import Version
 
 import vasepatch
 from tests.conftest import greedy_with_logits, max_logit_diff, ragged_batch
+from tests.test_cache_layer import HKV, HQ, B, D
+from tests.test_cache_layer import _layer as _vase_layer
 from tests.test_patching import fingerprint
 from tests.tiny_models import VOCAB
+from vasepatch.integration import attention, kernels
 
 GEN = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
 
@@ -175,6 +182,61 @@ def test_sdpa_output_attentions_warns(make_model):
         with pytest.warns(UserWarning, match="attn_implementation='eager'"):
             out = model(input_ids=ids, attention_mask=mask, output_attentions=True, **cache)
     assert not out.attentions  # () or None, as transformers' own sdpa path returns
+
+
+def test_the_no_weights_warning_points_at_the_caller():
+    """`vasepatch_attention` mutant dropping `stacklevel=2`: the `output_attentions` warning was
+    reported at vasepatch's own line instead of the code that asked for the weights."""
+    module = SimpleNamespace(config=SimpleNamespace(**{attention.BACKEND_ATTR: "sdpa"}))
+    layer = _vase_layer()
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, n, 4, D, generator=g) for n in (HQ, HKV, HKV))
+    kwargs = {attention.LAYER_KWARG: layer, "output_attentions": True}
+    with pytest.warns(UserWarning, match="computes no attention weights") as caught:
+        out, weights = attention.vasepatch_attention(module, q, k, v, None, **kwargs)
+    assert weights is None and out.shape == (B, 4, HQ, D)
+    assert caught[0].filename != attention.__file__  # the caller's frame, not vasepatch's
+
+
+# --- the attention function without a vasepatch cache ----------------------------------------
+def _reference_attention(q, k, v, allowed):
+    """Plain softmax attention, GQA by repeating KV heads; `allowed` `[B, Q, S]`; out `[B, Q, Hq, D]`."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    probs = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), -1)
+    return (probs @ v).transpose(1, 2)
+
+
+def test_attention_without_a_vase_cache_outside_a_patched_forward_is_causal_over_real_tokens():
+    """`_without_vase_cache` mutants dropping the key length or the mask: the plain causal +
+    padding path (a compiled call without a vasepatch cache, or the kernel called outside a
+    patched model's forward) crashed; only compiled tests reached it."""
+    module = SimpleNamespace(config=SimpleNamespace())  # a module of an unpatched config
+    g = torch.Generator().manual_seed(0)
+    q_len, s_len = 3, 7
+    q = torch.randn(B, HQ, q_len, D, generator=g)
+    k, v = torch.randn(B, HKV, s_len, D, generator=g), torch.randn(B, HKV, s_len, D, generator=g)
+    padding = torch.ones(B, s_len, dtype=torch.long)
+    padding[1, :2] = 0
+    out, weights = attention.vasepatch_attention(module, q, k, v, padding)
+    causal = torch.arange(s_len)[None, :] <= torch.arange(s_len - q_len, s_len)[:, None]  # [Q, S]
+    allowed = causal[None] & padding.bool()[:, None, :]
+    assert weights is None
+    torch.testing.assert_close(out, _reference_attention(q, k, v, allowed))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_attention_without_a_vase_cache_runs_the_chosen_kernel(backend):
+    """`vasepatch_attention` mutant passing `backend=None` on: the plain path ran the sdpa kernel
+    whatever the patch chose (the same attention up to rounding: checked bit for bit here)."""
+    module = SimpleNamespace(config=SimpleNamespace(**{attention.BACKEND_ATTR: backend}))
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, HQ, 3, D, generator=g)
+    k, v = torch.randn(B, HKV, 9, D, generator=g), torch.randn(B, HKV, 9, D, generator=g)
+    out, _ = attention.vasepatch_attention(module, q, k, v, None)
+    mask = kernels.causal_padding_mask(None, 3, 9, q.device)
+    assert torch.equal(out, kernels.grouped_attention(q, k, v, mask, D**-0.5, backend))
 
 
 # --- 7: stale handles --------------------------------------------------------------------------

@@ -1,4 +1,7 @@
-"""The VaSE policy on hand-computed cases, and the policy registry."""
+"""The VaSE policy on hand-computed cases, and the policy registry.
+
+A test whose docstring names a mutant was written for one that survived the mutation check
+(`benchmarks/mutation/run.sh`, recorded in `docs/results/mutation/`)."""
 
 from __future__ import annotations
 
@@ -127,6 +130,17 @@ def test_gumbel_top1_frequencies_match_the_weights():
     assert torch.allclose(freq, w, atol=0.01)
 
 
+def test_gumbel_noise_is_finite_even_for_a_draw_of_exactly_zero(monkeypatch):
+    """`scoring.gumbel_noise` mutant `u.clamp(None, ...)`: a uniform draw of exactly 0 (which
+    `torch.rand` can return) became `-inf` noise instead of the finite noise of the smallest
+    positive float."""
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.zeros(shape, dtype=torch.float32))
+    noise = scoring.gumbel_noise(torch.Size([2, 3]), torch.device("cpu"))
+    tiny = torch.tensor(torch.finfo(torch.float32).tiny)
+    assert torch.isfinite(noise).all()
+    torch.testing.assert_close(noise, (-torch.log(-torch.log(tiny))).expand(2, 3))
+
+
 def test_bad_calls_are_rejected():
     policy = policies.get("vase")
     keys, values, queries, positions, valid = _case()
@@ -137,6 +151,28 @@ def test_bad_calls_are_rejected():
                       positions.expand(1, 2, 6), valid.expand(1, 2, 6), 2)  # fmt: skip
     with pytest.raises(ValueError, match="score"):
         policies.get("vase", score="max")
+
+
+def test_select_refuses_a_validity_mask_of_the_wrong_shape_alone():
+    """`scoring.check_inputs` mutant `... and valid.shape != ...`: a wrong `valid` with right
+    `positions` (or the reverse) passed the input check and reached torch (broadcasting)."""
+    keys = torch.randn(2, 2, 6, 4)
+    positions = torch.arange(6).expand(2, 2, 6)
+    valid = torch.ones(2, 2, 6, dtype=torch.bool)
+    policy = policies.get("knorm")
+    with pytest.raises(ValueError, match=r"positions and valid must be \[B, Hkv, N\]"):
+        policy.select(keys, keys, None, positions, valid[:1], 3)
+    with pytest.raises(ValueError, match=r"positions and valid must be \[B, Hkv, N\]"):
+        policy.select(keys, keys, None, positions[:1], valid, 3)
+
+
+def test_select_refuses_queries_of_another_batch():
+    """`scoring.check_inputs` mutant `... shape[0] != ... and shape[-1] != ...` (found by a smoke run
+    outside the recorded sample): queries of the wrong batch but the right head dim passed the check."""
+    keys = torch.randn(2, 2, 6, 4)
+    positions, valid = torch.arange(6).expand(2, 2, 6), torch.ones(2, 2, 6, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"queries must be \[B, Hq, W, D\]"):
+        policies.get("snapkv").select(keys, keys, torch.randn(1, 4, 3, 4), positions, valid, 3)
 
 
 def test_registry():
@@ -176,6 +212,28 @@ def test_registration_is_checked():
     with pytest.raises(ValueError, match="never-evict mode"):
         policies.register("full", policies.streaming)
     assert "test-bad" not in policies.available()
+
+
+@pytest.fixture
+def scratch_policy_name():
+    """A policy name that is unregistered again after the test, whatever it did."""
+    name = "test-scratch-preset"
+    yield name
+    policies._REGISTRY.pop(name, None)
+
+
+def test_register_refuses_an_unknown_preset_at_once(scratch_policy_name):
+    """`policies.register` mutant `k in COMMON_OPTIONS`: an unknown preset was dropped at
+    registration and only failed later, at `get`."""
+    with pytest.raises(ValueError, match="bogus"):
+        policies.register(scratch_policy_name, policies.knorm, bogus=1)
+    assert scratch_policy_name not in policies.available()
+
+
+def test_policy_repr_lists_its_options():
+    """`Policy.__repr__` mutant `"XX, XX".join`: the repr of a policy with several options."""
+    text = repr(policies.get("rkv", lam=0.25))
+    assert text == "Policy('rkv', lam=0.25, temperature=1.0, smooth=5)"
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,7 @@
-"""The eviction's keyed randomness: the hash, its uniforms, its keys, and a cache driven with it."""
+"""The eviction's keyed randomness: the hash, its uniforms, its keys, and a cache driven with it.
+
+A test whose docstring names a mutant was written for one that survived the mutation check
+(`benchmarks/mutation/run.sh`, recorded in `docs/results/mutation/`)."""
 
 from __future__ import annotations
 
@@ -196,6 +199,29 @@ def test_same_seed_same_positions_and_reset_repeats_a_fresh_cache():
     cache.reset()
     assert torch.equal(_run(cache, slice(0, 4), 30)[0], first)
     assert not torch.equal(_run(keyed_cache(config.replace(seed=9), 1), slice(0, 4), 30)[0], first)
+
+
+def test_the_layers_of_one_cache_draw_from_one_seeded_stream():
+    """`VaSECache.__init__` mutant `rng = None`: every layer made its own generator from the same
+    seed, so layers fed identical inputs drew identical noise (reproducible, but not the one
+    stream per cache that `seed` documents)."""
+    cfg = VaSEConfig(budget=16, window=4, seed=5, policy="random", sinks=0, protect=0)
+    cache = VaSECache(cfg, policies.for_config(cfg), num_layers=2)
+    g = torch.Generator().manual_seed(1)
+    for q_len in (14, *[1] * 10):  # the prompt, then decode steps: two evictions
+        k, v, q = (torch.randn(2, n, q_len, 8, generator=g) for n in (2, 2, 4))
+        for layer in cache.layers:
+            drive.step(layer, k, v, q)
+    first, second = cache.layers
+    assert first.counters.evictions == second.counters.evictions == 2
+    assert not torch.equal(first.positions, second.positions)
+    again = VaSECache(cfg, policies.for_config(cfg), num_layers=2)
+    g = torch.Generator().manual_seed(1)
+    for q_len in (14, *[1] * 10):
+        k, v, q = (torch.randn(2, n, q_len, 8, generator=g) for n in (2, 2, 4))
+        for layer in again.layers:
+            drive.step(layer, k, v, q)
+    assert all(torch.equal(a.positions, b.positions) for a, b in zip(cache.layers, again.layers, strict=True))
 
 
 def test_kept_slots_with_a_keyed_generator_on_a_rank():

@@ -28,9 +28,17 @@ from tests.conftest import greedy_with_logits, ragged_batch
 from tests.tiny_models import FAMILIES, VOCAB, tiny_model
 
 WORKER_TIMEOUT = 420  # seconds, per process; the worker dumps its stack and exits 10 s before
-STEPS = 128
-SETTINGS = dict(budget=16, window=4, sinks=2, seed=0)  # 128 steps: 30 eviction rounds
+STEPS = 64  # decode steps of the tiny families: 14 eviction rounds (prompt 12, budget 16, window 4)
+SMOLLM2_STEPS = 40  # SmolLM2 on 3 ranks: 8 eviction rounds
+SETTINGS = dict(budget=16, window=4, sinks=2, seed=0)
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def evictions(steps: int, prompt: int = 12) -> int:
+    """Eviction rounds of a `steps`-token greedy run: the first when the `prompt + steps - 1` slots written
+    reach budget + window, then one every window tokens."""
+    budget, window = SETTINGS["budget"], SETTINGS["window"]
+    return 1 + (prompt + steps - 1 - (budget + window)) // window
 
 
 # --- the worker (one process of the group) -----------------------------------------------------
@@ -49,12 +57,12 @@ def _divergence(tp, ref) -> dict:
     return {"step": step, "gap": gap}
 
 
-def _run_family(path: str, policy: str) -> dict:
+def _run_family(path: str, policy: str, steps: int) -> dict:
     """TP run on every rank; the single-process reference on rank 0 only (it needs no peers)."""
     ids, mask = ragged_batch(VOCAB, lengths=(12, 7))
     tp = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()
     handle = vasepatch.patch(tp, policy=policy, **SETTINGS)
-    out = greedy_with_logits(tp, ids, mask, STEPS, min_new_tokens=STEPS)
+    out = greedy_with_logits(tp, ids, mask, steps, min_new_tokens=steps)
     stats = handle.stats()
     cache = handle.new_cache()
     with torch.no_grad():
@@ -70,7 +78,7 @@ def _run_family(path: str, policy: str) -> dict:
     if torch.distributed.get_rank() == 0:
         ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with vasepatch.patched(ref, policy=policy, **SETTINGS):
-            ref_out = greedy_with_logits(ref, ids, mask, STEPS, min_new_tokens=STEPS)
+            ref_out = greedy_with_logits(ref, ids, mask, steps, min_new_tokens=steps)
         result.update(ref_tokens=ref_out.sequences.tolist(), divergence=_divergence(out, ref_out))
     return result
 
@@ -125,7 +133,7 @@ def worker(folder: str, out: str) -> None:
     spec = json.loads((Path(folder) / "spec.json").read_text())
     for name in spec["families"]:
         for policy in spec["policies"]:
-            results[f"{name}/{policy}"] = _run_family(str(Path(folder) / name), policy)
+            results[f"{name}/{policy}"] = _run_family(str(Path(folder) / name), policy, spec.get("steps", STEPS))
     if spec.get("uneven"):
         results["uneven"] = _run_uneven(str(Path(folder) / "uneven"))
     if spec.get("many_heads"):
@@ -231,7 +239,7 @@ def test_stats_say_what_this_rank_and_all_ranks_hold(tp2, family):
     for rank, result in enumerate(tp2):
         stats = result[f"{family}/snapkv"]["stats"]
         assert stats["world_size"] == 2 and stats["rank"] == rank
-        assert stats["evictions"] > 0
+        assert stats["evictions"] == evictions(STEPS) == 14
         head_dim = 16
         local = 2 * stats["layers"] * 2 * 1 * stats["capacity"] * head_dim * 4  # K+V, layers, rows, 1 head, fp32
         assert stats["kv_bytes"] == local
@@ -241,7 +249,7 @@ def test_stats_say_what_this_rank_and_all_ranks_hold(tp2, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_deterministic_policy_matches_one_process(tp2, family):
     """snapkv keeps the same slots on a rank as on one process (its choice is per head, no
-    randomness), so greedy tokens over 128 steps with 30 evictions equal the single-process run's,
+    randomness), so greedy tokens over 64 steps with 14 evictions equal the single-process run's,
     unless a near-tie flips under TP's different summation order (then the gap must be tiny)."""
     got = tp2[0][f"{family}/snapkv"]
     step, gap = got["divergence"]["step"], got["divergence"]["gap"]
@@ -251,7 +259,7 @@ def test_deterministic_policy_matches_one_process(tp2, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sampling_policy_matches_one_process(tp2, family):
     """vase samples: its eviction draws are keyed by (seed, layer, round, row, global KV head), so 2 ranks
-    holding half the heads each keep what one process keeps (greedy tokens over 128 steps with evictions)."""
+    holding half the heads each keep what one process keeps (greedy tokens over 64 steps, 14 evictions)."""
     got = tp2[0][f"{family}/vase"]
     assert got["tokens"] == got["ref_tokens"], got["divergence"]
 
@@ -290,13 +298,15 @@ def test_smollm2_on_three_ranks(tmp_path, smollm2):
     from vasepatch import models
 
     os.symlink(models.resolve("smollm2-135m"), tmp_path / "smollm2")
-    (tmp_path / "spec.json").write_text(json.dumps({"families": ["smollm2"], "policies": ["vase"]}))
+    spec = {"families": ["smollm2"], "policies": ["vase"], "steps": SMOLLM2_STEPS}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
     results = launch(tmp_path, 3)
     for rank, result in enumerate(results):
         got = result["smollm2/vase"]
         assert got["tokens"] == results[0]["smollm2/vase"]["tokens"]
         assert got["cache_heads"] == [1] * 30 and got["head_offsets"] == [rank] * 30
         assert got["stats"]["world_size"] == 3 and got["stats"]["kv_bytes_total"] == 3 * got["stats"]["kv_bytes"]
+        assert got["stats"]["evictions"] == evictions(SMOLLM2_STEPS) == 8
     got = results[0]["smollm2/vase"]
     assert got["tokens"] == got["ref_tokens"], got["divergence"]
 
