@@ -10,19 +10,28 @@ the traceback of the errors found after parsing instead.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator
 
-import torch
-
-from vasepatch import __version__, cli_args, demo, generate, threads
-from vasepatch.bench import cli as bench
-from vasepatch.eval import fidelity, task
+from vasepatch import __version__, cli_args, threads
 
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 """What a command raises for bad input. `vasepatch.errors.UnsupportedModelError` and the data
 errors are `ValueError`s; a path that cannot be read or written raises one of the `OSError`s."""
+
+COMMANDS = {
+    ("demo",): ("vasepatch.demo", "run", "generate with VaSE on SmolLM2 and compare with the full cache"),
+    ("generate",): ("vasepatch.generate", "run", "stream a model's answer through the VaSE cache"),
+    ("eval", "fidelity"): ("vasepatch.eval.fidelity", "main", "KL / top-1 agreement / loops vs full cache"),
+    ("eval", "task"): ("vasepatch.eval.task", "main", "accuracy on GSM8K / MATH-500 / AIME25, or pass-key"),
+    ("bench",): ("vasepatch.bench.cli", "main", "decode throughput and memory: dense, static, vasepatch"),
+}
+"""Every runnable command: its words, the module with its `add_arguments(parser)`, its entry point
+(called with the parsed arguments) and its one-line help. A command's module is imported only when
+that command is parsed, so `vasepatch --version`, `--help` and the other commands' errors import
+neither it nor torch."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -34,6 +43,45 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"vasepatch: error: {message} (see {self.prog} --help)\n")
 
 
+class CommandParser(Parser):
+    """The parser of one command, whose arguments are added (its module imported) the first time it
+    parses or formats its help: `load()`."""
+
+    def __init__(self, *args, module: str = "", entry: str = "", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.module, self.entry, self.loaded = module, entry, not module
+
+    def load(self) -> CommandParser:
+        """Add the command's arguments (`add_arguments` of its module) and its entry point, once."""
+        if not self.loaded:
+            self.loaded = True
+            module = importlib.import_module(self.module)
+            module.add_arguments(self)
+            self.set_defaults(run=_entry(self.module, self.entry))
+        return self
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.load()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self.load()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self.load()
+        return super().format_usage()
+
+
+def _entry(module: str, name: str) -> Callable[[argparse.Namespace], object]:
+    """Calls `module.name(args)`, looked up at call time (so that a test may replace it)."""
+
+    def run(args: argparse.Namespace) -> object:
+        return getattr(importlib.import_module(module), name)(args)
+
+    return run
+
+
 def _common_options() -> argparse.ArgumentParser:
     """Options every command takes (an argparse parent parser)."""
     common = Parser(add_help=False)
@@ -43,29 +91,28 @@ def _common_options() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `vasepatch` parser. Each command's own arguments are added when it is parsed (`CommandParser`)."""
     parser = Parser(prog="vasepatch", description="Fixed-size KV cache with VaSE eviction")
     parser.add_argument("--version", action="version", version=f"vasepatch {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     common = [_common_options()]
-
-    def command(group: argparse._SubParsersAction, name: str, add: Callable, run: Callable, help: str) -> None:
-        p = group.add_parser(name, help=help, description=help, parents=common)
-        add(p)
-        p.set_defaults(run=run)
-
-    command(sub, "demo", demo.add_arguments, demo.run, "generate with VaSE on SmolLM2 and compare with the full cache")
-    command(sub, "generate", generate.add_arguments, generate.run, "stream a model's answer through the VaSE cache")
-    eval_parser = sub.add_parser("eval", help="compare policies: fidelity to the full cache, task accuracy")
-    eval_sub = eval_parser.add_subparsers(dest="evaluation", required=True)
-    command(eval_sub, "fidelity", fidelity.add_arguments, fidelity.main, "KL / top-1 agreement / loops vs full cache")
-    command(eval_sub, "task", task.add_arguments, task.main, "accuracy on GSM8K / MATH-500 / AIME25, or pass-key")
-    command(sub, "bench", bench.add_arguments, bench.main, "decode throughput and memory: dense, static, vasepatch")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for words, (module, entry, help) in COMMANDS.items():
+        group = sub
+        if len(words) == 2:  # eval fidelity, eval task
+            if words[0] not in groups:
+                parent = sub.add_parser(words[0], help="compare policies: fidelity to the full cache, task accuracy")
+                groups[words[0]] = parent.add_subparsers(dest="evaluation", required=True)
+            group = groups[words[0]]
+        group.add_parser(words[-1], help=help, description=help, parents=common, module=module, entry=entry)
     return parser
 
 
 def commands(parser: argparse.ArgumentParser | None = None) -> Iterator[tuple[str, argparse.ArgumentParser]]:
     """`("eval task", parser)` for every runnable command (the leaves of the subcommand tree)."""
     parser = parser or build_parser()
+    if isinstance(parser, CommandParser):
+        parser.load()
     groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     if not groups:
         yield parser.prog.split(" ", 1)[1] if " " in parser.prog else parser.prog, parser
@@ -85,6 +132,8 @@ def run(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.exit(2, f"vasepatch: error: {err}\n")
     args = parser.parse_args(argv)
+    import torch  # after parsing: --help, --version and usage errors never wait for it
+
     previous = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:

@@ -3,7 +3,10 @@
 - argparse `type=` functions for every numeric flag (`int_in`, `number_in`, `int_list`,
   `number_list`): a wrong type, NaN, infinity or a value out of range is a usage error
   naming the flag, the allowed range and the value, at parse time.
-- `device`: a device this torch can use (`--device cuda` on a CPU-only build, `--device banana`).
+- `device`: a device this torch can use (`--device cuda` on a CPU-only build, `--device banana`); `cpu`,
+  the default, is taken without importing torch.
+- `policy_name`, `policy_names`, `policy_names_text`: the names `VaSEConfig.policy` takes (`full` first),
+  for `--policy`/`--policies` help and errors, without importing torch (`BUILTIN_POLICIES`).
 - `check_utf8`, `read_utf8`: text that is not UTF-8 (an argument, stdin) is refused with the byte
   and its offset, before any model loads.
 - `output_dir`: an `--out` folder that can be created and written.
@@ -19,14 +22,16 @@ import argparse
 import json
 import math
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vasepatch.config import MAX_SLOTS, MIN_TEMPERATURE, SEED_RANGE
+from vasepatch.config import FULL, MAX_SLOTS, MIN_TEMPERATURE, SEED_RANGE
 from vasepatch.errors import install_hint
 
 __all__ = [
+    "BUILTIN_POLICIES",
     "MAX_COUNT",
     "MIN_TEMPERATURE",
     "SEED_RANGE",
@@ -42,6 +47,9 @@ __all__ = [
     "number_in",
     "number_list",
     "output_dir",
+    "policy_name",
+    "policy_names",
+    "policy_names_text",
     "read_utf8",
     "seed",
 ]
@@ -138,6 +146,37 @@ def number_list(lo: float, hi: float) -> Callable[[str], list[float]]:
     return _listed(number_in(lo, hi), "number")
 
 
+BUILTIN_POLICIES = (
+    "cur", "evict-large", "knorm", "protect-random", "random", "rkv", "snapkv", "streaming", "vase", "vase-dkv",
+    "vase-l2", "vase-topk", "vase-var",
+)  # fmt: skip
+"""The policies `vasepatch.policies` registers, sorted: what `policies.available()` returns in a fresh process,
+without importing torch (tests/test_cli_start.py keeps the two equal)."""
+
+
+def policy_names() -> list[str]:
+    """Every name `VaSEConfig.policy` takes, `full` first: the registry's (`policies.config_names()`) where
+    `vasepatch.policies` is already imported (policies registered in this process included), else the
+    built-in ones, which are the registry's in a fresh process."""
+    registry = sys.modules.get("vasepatch.policies")
+    if registry is not None and hasattr(registry, "config_names"):
+        return list(registry.config_names())
+    return [FULL, *BUILTIN_POLICIES]
+
+
+def policy_names_text() -> str:
+    """`full, cur, evict-large, ...`: the names for a `--policy` help text or an error."""
+    return ", ".join(policy_names())
+
+
+def policy_name(text: str) -> str:
+    """argparse type of `--policy`: a name of `policy_names()`, else a usage error listing them."""
+    name = text.strip()
+    if name not in policy_names():
+        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; choose one of: {policy_names_text()}")
+    return name
+
+
 def available_devices() -> list[str]:
     """The devices this torch can run on: `cpu`, and `cuda`, `cuda:0`, ... where CUDA is available."""
     import torch
@@ -152,7 +191,11 @@ def available_devices() -> list[str]:
 
 
 def device(text: str) -> str:
-    """argparse type: a device this torch can use (`cpu`, `cuda`, `cuda:N`), else a usage error naming those it has."""
+    """argparse type: a device this torch can use (`cpu`, `cuda`, `cuda:N`), else a usage error naming those it has.
+    `cpu` (every command's default, which argparse passes through here too) needs no check and no torch import;
+    any other name imports torch to ask it."""
+    if text == "cpu":
+        return text
     import torch
 
     available = available_devices()

@@ -11,10 +11,8 @@ import argparse
 import sys
 import time
 
-import torch
-
-from vasepatch import generate
-from vasepatch.cli_args import int_in, seed
+from vasepatch import generate, threads
+from vasepatch.cli_args import int_in, policy_name, seed
 from vasepatch.config import VaSEConfig
 from vasepatch.streaming import MIB, LiveOutput
 
@@ -34,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--window", type=int_in(1), default=32, help="recent tokens kept; evicts every WINDOW tokens" + d
     )
-    parser.add_argument("--policy", default="vase", help="selection policy" + d)
+    parser.add_argument("--policy", type=policy_name, default="vase", help=generate.policy_help() + d)
     parser.add_argument("--seed", type=seed, default=0, help="seeds VaSE's sampling of the evicted tokens" + d)
     parser.add_argument("--no-compare", action="store_true", help="skip the unpatched (full cache) run")
 
@@ -59,14 +57,17 @@ def _settings(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> None:
+    import torch
+
     from vasepatch import models
 
     config = VaSEConfig(budget=args.budget, window=args.window, policy=args.policy, seed=args.seed)
     generate.check_policy(config)  # bad settings fail here, before the model loads
     n = args.max_new_tokens
     runs = "twice, with vasepatch and with the full cache" if not args.no_compare else "with vasepatch"
-    threads = torch.get_num_threads()
-    print(f"vasepatch demo: {args.model} generates {n} tokens {runs}, on {threads} CPU thread{'s' * (threads > 1)}.")
+    count = torch.get_num_threads()
+    threads.warn_if_busy(args)
+    print(f"vasepatch demo: {args.model} generates {n} tokens {runs}, on {count} CPU thread{'s' * (count > 1)}.")
     start = time.perf_counter()
     print(f"loading {args.model} ...", end=" ", flush=True)
     model, tok = models.load(args.model)

@@ -11,19 +11,26 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from vasepatch import models
-from vasepatch.cli_args import device, int_in, number_in, read_utf8, seed
+from vasepatch import models, threads
+from vasepatch.cli_args import device, int_in, number_in, policy_name, policy_names_text, read_utf8, seed
 from vasepatch.config import PREFILL_MODES, VaSEConfig
-from vasepatch.streaming import LiveOutput, TokenStreamer, full_cache_bytes, human_bytes
+from vasepatch.streaming import LiveOutput, full_cache_bytes, human_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 MODEL_HELP = (
     f"a registered name ({', '.join(models.available())}), an HF directory, a .gguf file or a Hub id (org/name)"
 )
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("bfloat16", "float16", "float32")
+"""The `--dtype` choices: names of torch dtypes (torch is imported when the command runs, not to parse)."""
+
+
+def policy_help() -> str:
+    """The `--policy` help: what it is and every name it takes."""
+    return f"selection policy: {policy_names_text()} (full never evicts)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--window", type=int_in(1), default=64, help="recent tokens always kept; evicts every WINDOW tokens" + d
     )
-    p.add_argument("--policy", default="vase", help="selection policy, see vasepatch.policies.available()" + d)
+    p.add_argument("--policy", type=policy_name, default="vase", help=policy_help() + d)
     p.add_argument("--protect", type=int_in(0), default=None, help="protected slots (default: budget // 4)")
     p.add_argument("--sinks", type=int_in(0), default=4, help="first tokens always kept" + d)
     p.add_argument("--prefill", choices=PREFILL_MODES, default="compress", help="compress or keep a long prompt" + d)
@@ -62,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true", help="feed the prompt as it is, without the chat template")
     p.add_argument("--compare", action="store_true", help="generate again with the full cache and compare")
     p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N" + d)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and KV cache dtype" + d)
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV cache dtype" + d)
 
 
 def read_prompt(text: str, stdin: Any = None) -> str:
@@ -149,6 +156,8 @@ class Run:
 
 def dense_cache_bytes(cache: Any) -> int:
     """K+V bytes held by transformers' own (dynamic) cache."""
+    import torch
+
     layers = getattr(cache, "layers", None) or []
     return sum(t.nbytes for layer in layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
 
@@ -165,7 +174,10 @@ def generate_once(
     """Generate once, streaming through `live`: patched with `config`, or with the full cache
     (`config=None`). Sampling draws from torch's generator seeded with `options["seed"]`, in a forked RNG
     state, so the caller's random state is left as it was."""
+    import torch
+
     import vasepatch
+    from vasepatch.streaming import TokenStreamer
 
     seed = options.get("seed", 0)
     kwargs = {k: v for k, v in options.items() if k != "seed"}
@@ -274,12 +286,19 @@ def comparison_table(runs: list[Run]) -> list[str]:
     return lines
 
 
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
 def run(args: argparse.Namespace) -> None:
     prompt = read_prompt(args.prompt)
     config = cache_config(args)
     options = {**sampling_options(args), "seed": args.seed}
+    threads.warn_if_busy(args)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    model, tokenizer = models.load(args.model, dtype=DTYPES[args.dtype], device=args.device)
+    model, tokenizer = models.load(args.model, dtype=_torch_dtype(args.dtype), device=args.device)
     inputs = encode(tokenizer, prompt, args.raw, model.device)
     live = LiveOutput(sys.stdout, sys.stderr)
     ours = f"vasepatch (budget={config.budget}, window={config.window}, policy={config.policy})"

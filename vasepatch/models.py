@@ -3,7 +3,8 @@
 `load(name_or_path)` accepts a registered name (`available()`), a local Hugging
 Face directory, a `.gguf` file, or a Hugging Face Hub id (`org/name`, read from the
 local Hub cache, or downloaded unless `HF_HUB_OFFLINE=1`). GGUF files are dequantised
-by transformers (slow: 15-40 s), so the result is cached once as safetensors under
+by transformers (slow: about a minute per 100 MB of GGUF on a 2-core CPU, see
+`conversion_estimate`), so the result is cached once as safetensors under
 `$VASEPATCH_CACHE_DIR` (default `~/.cache/vasepatch`), keyed by the file's hash.
 Loading from a local folder shows no progress bar (it takes about a second); the
 one-time GGUF conversion says so on stderr and keeps its own bar.
@@ -37,9 +38,10 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _GGUF_SOURCES: dict[str, Callable[[], Path]] = {}
 
@@ -183,13 +185,27 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+CONVERSION_SECONDS_PER_MB = 0.6
+"""Seconds a GGUF conversion takes per MB of GGUF file on a 2-core CPU, measured: SmolLM2-135M (98 MB) in
+124 s with other jobs keeping the 2 cores busy (27 s of CPU time), Gemma 3 270M (253 MB) in 161 s."""
+
+
+def conversion_estimate(nbytes: int) -> str:
+    """What the conversion of a GGUF file of `nbytes` takes, in words: `about 3 min on a 2-core CPU`."""
+    seconds = nbytes / 1e6 * CONVERSION_SECONDS_PER_MB
+    took = f"{max(10, round(seconds, -1)):.0f} s" if seconds < 90 else f"{round(seconds / 60):.0f} min"
+    return f"about {took} on a 2-core CPU, more while other processes share it"
+
+
 def _convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantise `gguf` with transformers and write a plain HF directory to `target`, with
     `save_pretrained`'s own layout (a tied embedding is stored once, as the input embedding, which is
     what vLLM and other loaders read)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"converting {gguf.name} to safetensors, once (15-40 s); cached in {target}", file=sys.stderr, flush=True)
+    took = conversion_estimate(gguf.stat().st_size)
+    print(f"converting {gguf.name} to safetensors, once ({took}); cached in {target}", file=sys.stderr, flush=True)
     with no_progress_bars():  # transformers' own GGUF de-quantising bar (plain tqdm) still shows
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -206,6 +222,7 @@ def unquantized_copy(model: Any) -> Any:
     """The same weights in a model built from the config without its GGUF `quantization_config`
     (transformers refuses to `save_pretrained` a model loaded from GGUF). The tensors are shared, not
     copied: the new model is built on the meta device and takes the loaded ones."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(model.config)
@@ -310,10 +327,13 @@ def _from_hub(loader: Callable[..., Any], name: str, **kwargs: Any) -> Any:
         ) from err
 
 
-def load(name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """`(model, tokenizer)` for a registered name, a local HF directory, a `.gguf` file or a Hub id."""
+def load(name_or_path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str = "cpu"):
+    """`(model, tokenizer)` for a registered name, a local HF directory, a `.gguf` file or a Hub id;
+    the weights in `dtype` (default `torch.float32`)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = torch.float32 if dtype is None else dtype
     folder = resolve(name_or_path)
     if isinstance(folder, str):  # a Hub id: keep the download bars
         model = _from_hub(AutoModelForCausalLM.from_pretrained, folder, dtype=dtype)

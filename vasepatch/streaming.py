@@ -6,6 +6,9 @@ and time. `LiveOutput` owns the terminal: the text goes to stdout, the status li
 stderr, redrawn in place (at most `REFRESH` times a second) only where stderr is a
 terminal, so that piped or captured output holds the text and nothing else.
 
+`TokenStreamer` is built on first use (PEP 562), so that importing this module does not import
+transformers (the CLI's `--help` stays fast).
+
 The status reads `PatchHandle.stats()`: host-side ints that the cache updates at the end
 of every decode step, before generate hands the step's token to the streamer, so the
 numbers are current at every token and reading them costs no device sync.
@@ -17,9 +20,7 @@ import shutil
 import time
 import unicodedata
 from collections.abc import Callable
-from typing import Any, TextIO
-
-from transformers import TextStreamer
+from typing import TYPE_CHECKING, Any, TextIO
 
 REFRESH = 0.1  # seconds between status redraws
 MIB = 2**20
@@ -143,10 +144,11 @@ def full_cache_bytes(stats: dict[str, int]) -> int:
     return stats["kv_bytes"] // stats["capacity"] * stats["tokens_seen"]
 
 
-class TokenStreamer(TextStreamer):
+class _TokenStreaming:
     """Writes the generated text through `live` as it comes, counts tokens and time, and
     keeps the status line current. `stats` (e.g. `handle.stats`) is read at every token
-    until the first eviction, to note when it happened: a few dozen host ints, microseconds."""
+    until the first eviction, to note when it happened: a few dozen host ints, microseconds.
+    (The body of `TokenStreamer`, a transformers `TextStreamer`.)"""
 
     def __init__(
         self,
@@ -204,3 +206,22 @@ class TokenStreamer(TextStreamer):
         """Tokens per second after the first one (the prompt's prefill excluded)."""
         span = self.last - self.first
         return (self.tokens - 1) / span if self.tokens > 1 and span > 0 else None
+
+
+if TYPE_CHECKING:
+    from transformers import TextStreamer
+
+    class TokenStreamer(_TokenStreaming, TextStreamer):
+        """`_TokenStreaming` as a transformers `TextStreamer`."""
+
+
+def __getattr__(name: str) -> Any:
+    if name != "TokenStreamer":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from transformers import TextStreamer
+
+    cls = type(
+        "TokenStreamer", (_TokenStreaming, TextStreamer), {"__module__": __name__, "__doc__": _TokenStreaming.__doc__}
+    )
+    globals()["TokenStreamer"] = cls
+    return cls
