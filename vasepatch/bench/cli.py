@@ -6,9 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from vasepatch import threads
 from vasepatch.bench import resume
 from vasepatch.bench.settings import DTYPES, ISOLATION, MASKS, BenchSettings
-from vasepatch.cli_args import device, folder_problem, int_in, int_list, output_dir, seed
+from vasepatch.cli_args import device, folder_problem, int_in, int_list, output_dir, policy_names_text, seed
 
 # `--quick`: a smoke run of SmolLM2-135M, the default methods at 2 lengths, batch 1, 1 repeat; explicit options win.
 # Measured with --threads 1: 365 s on a 2-core AMD EPYC VM busy with other runs (load 9-17), 114 s of CPU time
@@ -34,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--methods",
         default=None,
-        help=f"dense, static, floor, kvpress or policy names, each optionally +compile (default {','.join(d.methods)})",
+        help=f"comma-separated: dense, static, floor, kvpress or policy names ({policy_names_text()}), each "
+        f"optionally +compile (default {','.join(d.methods)})",
     )
     p.add_argument("--prompt-len", type=int_in(1), default=None, help=f"random prompt tokens (default {d.prompt_len})")
     p.add_argument("--repeats", type=int_in(1), default=None, help=f"timed segments per length (default {d.repeats})")
@@ -122,6 +124,7 @@ def main(args: argparse.Namespace) -> None:
     problem = folder_problem(str(out))  # the folder of a resumed run too
     if problem:
         raise ValueError(f"output folder: {problem}")
+    threads.warn_if_busy(args)  # a busy machine: one line, once every check has passed
     result = run_benchmark(settings, previous=previous, save=lambda partial: report.save(partial, out))
     paths = report.write(result, out)
     print(report.markdown(result))

@@ -1,11 +1,12 @@
-"""What `vasepatch bench` runs: method names and the validated settings."""
+"""What `vasepatch bench` runs: method names and the validated settings (without importing torch, so that
+`vasepatch bench --help` and its usage errors answer at once)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from vasepatch import policies
+from vasepatch.cli_args import policy_names
 from vasepatch.config import VaSEConfig
 from vasepatch.threads import default_threads
 
@@ -34,7 +35,7 @@ class MethodSpec:
     def parse(cls, name: str) -> MethodSpec:
         """`"vase+compile"` -> `MethodSpec("vase+compile", "vase", True)`; unknown bases are an error."""
         base = name.removesuffix(COMPILE_SUFFIX)
-        known = [*BASELINES, *policies.config_names()]
+        known = [*BASELINES, *policy_names()]  # the policy registry's names (`full` first)
         if base not in known:
             raise ValueError(
                 f"methods: unknown method {name!r}; known: {', '.join(known)} (each optionally with {COMPILE_SUFFIX})"
@@ -242,5 +243,3 @@ class BenchSettings:
             "skip": list(self.skip),
             "out": self.out,
         }
-
-

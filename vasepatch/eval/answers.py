@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
-
 import vasepatch
 from vasepatch.config import VaSEConfig
 
@@ -68,6 +66,8 @@ def _eos_ids(model) -> set[int]:
 
 def generate(model, tokenizer, config: VaSEConfig, prompts: list[str], decoding: Decoding, seed: int):
     """Completions of a batch of chat prompts (left padded) with the cache `config`."""
+    import torch
+
     from vasepatch.eval import data
 
     ids, mask = data.encode(tokenizer, prompts)

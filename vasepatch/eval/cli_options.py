@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vasepatch import policies
-from vasepatch.cli_args import MIN_TEMPERATURE, int_in, number_in, odd_int, seed
+from vasepatch.cli_args import MIN_TEMPERATURE, int_in, number_in, odd_int, policy_names, policy_names_text, seed
 from vasepatch.config import FULL, PREFILL_MODES, VaSEConfig
 
 SHARED_HEADS = ("off", "on", "both")
@@ -26,9 +25,10 @@ def default_config() -> VaSEConfig:
 
 
 def parse_policies(text: str) -> list[str]:
-    """`"all"` -> `policies.config_names()` (`full` first); otherwise the comma-separated names, in order."""
+    """`"all"` -> every policy name (`vasepatch.cli_args.policy_names()`, the registry's: `full` first);
+    otherwise the comma-separated names, in order."""
     if text.strip() == "all":
-        return policies.config_names()
+        return policy_names()
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
@@ -65,7 +65,7 @@ def check_run(config: VaSEConfig, names: list[str]) -> None:
     """Raise `ValueError` for unknown policy names or a config without a seed."""
     if not isinstance(config, VaSEConfig):
         raise ValueError(f"config must be a vasepatch.VaSEConfig, got {type(config).__name__}")
-    known = policies.config_names()
+    known = policy_names()  # the registry's names, without importing it (and torch) for a parser's defaults
     unknown = [name for name in names if base_name(name) not in known or name == FULL + SHARED_SUFFIX]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(known)}")
@@ -121,7 +121,11 @@ def use_help_formatter(p: argparse.ArgumentParser) -> None:
 
 def add_cache_arguments(p: argparse.ArgumentParser, defaults: VaSEConfig, policies_default: str) -> None:
     """The flags of the cache settings (`VaSEConfig` fields) and `--policies`."""
-    p.add_argument("--policies", default=policies_default, help="comma-separated policy names, or 'all' (full first)")
+    p.add_argument(
+        "--policies",
+        default=policies_default,
+        help=f"comma-separated policy names ({policy_names_text()}), or 'all' (full first)",
+    )
     p.add_argument(
         "--budget", type=int_in(2), default=defaults.budget, help="KV slots kept per layer and head after each eviction"
     )

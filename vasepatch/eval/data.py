@@ -14,8 +14,10 @@ import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DATASETS = {"gsm8k": "gsm8k/test.jsonl", "math500": "math500/test.jsonl", "aime25": "aime25/test.jsonl"}
 ENV_VAR = "VASEPATCH_DATA_DIR"

@@ -16,23 +16,27 @@ Per prompt batch:
 
 `--probe FILE` instead teacher-forces the fixed probe (prompt ids, reference
 tokens, dense predictions) for several policy seeds (`vasepatch.eval.probe`).
+
+torch is imported by the functions that run the work, so that `--help` and the usage errors answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import vasepatch
+from vasepatch import threads
 from vasepatch.cli_args import check_positions, int_in, max_positions, number_in, output_dir
 from vasepatch.config import FULL, VaSEConfig
 from vasepatch.eval import cli_options, data, metrics, plots, probe, report
 from vasepatch.eval.fidelity_settings import FidelitySettings
-from vasepatch.eval.forcing import teacher_force
 from vasepatch.eval.progress import Progress, require_extras
+
+if TYPE_CHECKING:
+    import torch
 
 METRICS = ("kl", "top1", "nll_delta")
 PROMPT_COLUMNS = (
@@ -61,6 +65,8 @@ def _end_ids(model, tokenizer) -> list[int]:
 
 def sample(model, ids, mask, settings: FidelitySettings, seed: int, pad_id: int, suppress: list[int]) -> torch.Tensor:
     """`[B, tokens]` sampled tokens (forced length, EOS suppressed), seeded."""
+    import torch
+
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(
@@ -83,6 +89,10 @@ def force_metrics(model, configs: dict[str, VaSEConfig], ids, mask, continuation
 
     Returns `({name: {"kl"|"top1"|"nll_delta": [B, T]}}, {name: cache stats})` (the `full`
     entry is the reference)."""
+    import torch
+
+    from vasepatch.eval.forcing import teacher_force
+
     if next(iter(configs)) != FULL:
         raise ValueError("the first config must be the 'full' reference")
     out: dict[str, dict[str, list[torch.Tensor]]] = {n: {m: [] for m in METRICS} for n in configs}
@@ -118,6 +128,8 @@ class _Tally:
             self.free[name]["div"].append(float(metrics.first_divergence(row, ref_row)))
 
     def summary(self, name: str) -> dict[str, Any]:
+        import torch
+
         rows = {m: torch.cat(v, 0) for m, v in self.rows[name].items()}  # [n_prompts, T]
         top1_mean, top1_se = metrics.mean_stderr(rows["top1"].mean(-1).tolist())
         kl_mean, kl_se = metrics.mean_stderr(rows["kl"].mean(-1).tolist())
@@ -204,16 +216,25 @@ def _needed(settings: FidelitySettings, inputs: list[data.Example] | dict[str, A
     return {f"--tokens {settings.tokens}": settings.tokens + 1}
 
 
-def run(settings: FidelitySettings, model=None, tokenizer=None, echo: bool = False) -> list[Path]:
+def run(
+    settings: FidelitySettings,
+    model=None,
+    tokenizer=None,
+    echo: bool = False,
+    before_load: Callable[[], object] | None = None,
+) -> list[Path]:
     """Run the evaluation and write its outputs; returns their paths. The inputs and the
     `[eval]` extras are checked first, so a bad file fails in well under a second, before
-    the model loads. `echo` prints the results table at the end."""
+    the model loads. `echo` prints the results table at the end; `before_load` is called once
+    every check has passed, right before the model loads (not at all when `model` is given)."""
     require_extras()
     inputs = _read_inputs(settings)
     if model is None:
         from vasepatch import models
 
         check_positions(settings.model, max_positions(settings.model), _needed(settings, inputs))
+        if before_load is not None:
+            before_load()
         model, tokenizer = models.load(settings.model)
     check_positions(settings.model, max_positions(model), _needed(settings, inputs))
     out = Path(settings.out)
@@ -275,4 +296,4 @@ def main(args: argparse.Namespace) -> None:
         out=args.out,
         shared_heads=args.shared_heads,
     )
-    run(settings, echo=True)
+    run(settings, echo=True, before_load=lambda: threads.warn_if_busy(args))  # a busy machine: one line

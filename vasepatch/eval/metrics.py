@@ -1,11 +1,14 @@
-"""Fidelity and generation metrics: pure functions of logits and token lists."""
+"""Fidelity and generation metrics: pure functions of logits and token lists (torch is imported by the
+functions that need it, so that the eval commands' `--help` does not wait for it)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def next_token_metrics(reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -16,6 +19,8 @@ def next_token_metrics(reference: torch.Tensor, logits: torch.Tensor, targets: t
     `kl` = KL(reference || policy) in nats, `top1` = 1 where both argmaxes agree,
     `nll_delta` = -log p_policy(target) + log p_reference(target).
     """
+    import torch
+
     ref = torch.log_softmax(reference.float(), -1)
     pol = torch.log_softmax(logits.float(), -1)
     kl = (ref.exp() * (ref - pol)).sum(-1).clamp_min(0.0)
@@ -32,6 +37,8 @@ def loop_period(tokens: Sequence[int], span: int = 256, max_period: int = 64, th
     sequence is shorter than `span + 1` tokens."""
     if len(tokens) <= span:
         return None
+    import torch
+
     x = torch.as_tensor(list(tokens[-(span + max_period) :]))
     tail = x[-span:]
     for p in range(1, max_period + 1):

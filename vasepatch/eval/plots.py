@@ -11,8 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from vasepatch.reporting import style
 
 Plot = Callable[[Path], None]
@@ -31,6 +29,8 @@ def _saver(build: Callable[[], Any]) -> Plot:
 
 
 def _kl_curves(ax, results: list[dict[str, Any]]) -> None:
+    import torch
+
     curves = []
     for r in results:
         if r["policy"] == "full":

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import vasepatch
 from vasepatch.config import FULL, VaSEConfig
 from vasepatch.eval import cli_options, data, metrics
 from vasepatch.eval.fidelity_settings import FidelitySettings
-from vasepatch.eval.forcing import teacher_force
+
+if TYPE_CHECKING:
+    import torch
 
 # Our policy names -> the probe file's anchor results of the authors' implementation. (Its kvpress
 # anchors are another library's policies, with known differences, so they are not matched.)
@@ -59,6 +59,10 @@ def probe_configs(settings: FidelitySettings) -> dict[str, VaSEConfig]:
 
 def force_probe(model, configs: dict[str, VaSEConfig], ids, reference):
     """Teacher-force the probe: `(full argmax [T], {key: argmax [T]}, {key: {metric: [T]}})`."""
+    import torch
+
+    from vasepatch.eval.forcing import teacher_force
+
     mask = torch.ones_like(ids)
     dense: list[torch.Tensor] = []
     argmax: dict[str, list[torch.Tensor]] = {k: [] for k in configs}
@@ -132,6 +136,8 @@ def run_probe(
     settings: FidelitySettings, model, probe: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], list[dict]]:
     """`(header, one result row per policy)` of the probe `settings.probe` (read here unless given)."""
+    import torch
+
     if probe is None:
         probe = read(settings.probe)
     ids = torch.tensor([probe["prompt_ids"]])

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from vasepatch import threads
 from vasepatch.cli_args import (
     check_positions,
     install_hint,
@@ -141,11 +143,19 @@ def _note_grading(settings: TaskSettings) -> None:
         )
 
 
-def run(settings: TaskSettings, model=None, tokenizer=None, echo: bool = False) -> list[Path]:
+def run(
+    settings: TaskSettings,
+    model=None,
+    tokenizer=None,
+    echo: bool = False,
+    before_load: Callable[[], object] | None = None,
+) -> list[Path]:
     """Run (or resume) the evaluation and write its outputs; returns their paths. The `[eval]`
     extras, the data, the answer files to resume and the sequence length (against the model's config)
     are checked first: a missing or malformed file, other settings in `--out` or a pass-key context
-    longer than the model takes fail before the model loads. `echo` prints the results table at the end."""
+    longer than the model takes fail before the model loads. `echo` prints the results table at the end;
+    `before_load` is called once every check has passed, right before the model loads (not at all when
+    `model` is given)."""
     require_extras()
     examples = None
     if settings.kind == "math":
@@ -157,6 +167,8 @@ def run(settings: TaskSettings, model=None, tokenizer=None, echo: bool = False) 
     if model is None:
         from vasepatch import models
 
+        if before_load is not None:
+            before_load()
         model, tokenizer = models.load(settings.model)
     check_length(settings, max_positions(model))
     check_resume(settings, type(model).__name__)
@@ -234,4 +246,4 @@ def main(args: argparse.Namespace) -> None:
         data_dir=args.data_dir,
         out=args.out,
     )
-    run(settings, echo=True)
+    run(settings, echo=True, before_load=lambda: threads.warn_if_busy(args))  # a busy machine: one line
