@@ -48,6 +48,11 @@ GENERATE: list[tuple[list[str], str]] = [
     (["generate", NOT_UTF8], r"argument 2 \('caf\\xff'\) is not UTF-8 text: byte 0xff at offset 3"),
     (["generate", "--model", NOT_UTF8, "hi"], r"argument 3 .* is not UTF-8 text: byte 0xff at offset 3"),
     (["generate", "  "], r"prompt is empty"),
+    (["generate", "--model", "<missing>", "hi"], r"model '.*missing' is neither a registered name"),
+    (
+        ["generate", "--model", "<tiny-model>", "--max-new-tokens", "2000", "hi"],
+        r"--max-new-tokens needs 2000 positions, more than the 1024",
+    ),
     (["generate", "--budget", "8", "--window", "8", "hi"], r"window must be smaller than budget"),
     (["generate", "--policy", "nope", "hi"], r"'nope'"),
     (["generate"], r"the following arguments are required: prompt"),
@@ -62,14 +67,18 @@ DEMO: list[tuple[list[str], str]] = [
     (["demo", "--policy", "nope"], r"'nope'"),
 ]
 FIDELITY: list[tuple[list[str], str]] = [
+    (
+        ["eval", "fidelity", "--out", "/proc/vasepatch-never"],
+        r"argument --out: /proc/vasepatch-never cannot be written",
+    ),
     (["eval", "fidelity", "--tokens", "1"], r"argument --tokens: must be an int in \[2, 2147483647\], got 1"),
     (["eval", "fidelity", "--tokens", BIG], r"argument --tokens: must be an int in \[2, 2147483647\]"),
     (["eval", "fidelity", "--sample-temperature", "0"], r"--reference-temperature: must be a finite number > 0"),
     (["eval", "fidelity", "--sample-temperature", "nan"], r"--reference-temperature: must be .* got nan"),
     (["eval", "fidelity", "--temperature", "0"], r"argument --temperature/--score-temperature: .* >= 1e-06, got 0"),
     (["eval", "fidelity", "--temperature", "inf"], r"argument --temperature/--score-temperature: must be a finite"),
-    (["eval", "fidelity", "--smooth", "0"], r"argument --smooth: must be an int in \[1, 2147483647\] \(odd.*got 0"),
-    (["eval", "task", "--smooth", "4"], r"argument --smooth: must be an odd int >= 1 .*got 4"),
+    (["eval", "fidelity", "--smooth", "0"], r"argument --smooth: must be an odd int in \[1, 2147483647\] .*got 0"),
+    (["eval", "task", "--smooth", "4"], r"argument --smooth: must be an odd int in \[1, 2147483647\] .*got 4"),
     (["eval", "fidelity", "--seeds", "0"], r"argument --seeds: must be an int in \[1, 2147483647\], got 0"),
     (["eval", "fidelity", "--batch-size", "-4"], r"argument --batch-size: must be an int in \[1, 2147483647\]"),
     (["eval", "fidelity", "--shared-heads", "maybe"], r"argument --shared-heads: invalid choice: 'maybe'"),
@@ -93,6 +102,7 @@ FIDELITY: list[tuple[list[str], str]] = [
     (["eval", "fidelity", "--model", "<missing>"], r"model '.*' is neither a registered name"),
 ]
 TASK: list[tuple[list[str], str]] = [
+    (["eval", "task", "--out", "/proc/vasepatch-never"], r"argument --out: /proc/vasepatch-never cannot be written"),
     (["eval", "task", "--task", "nope"], r"argument --task: invalid choice: 'nope'"),
     (["eval", "task", "--limit", "0"], r"argument --limit: must be an int in \[1, 2147483647\], got 0"),
     (["eval", "task", "--samples", "0"], r"argument --samples: must be an int in \[1, 2147483647\], got 0"),
@@ -126,6 +136,8 @@ TASK: list[tuple[list[str], str]] = [
     (["eval", "task", "--policies", ""], r"policies must name at least one policy"),
 ]
 BENCH: list[tuple[list[str], str]] = [
+    (["bench", "--model", "<missing>"], r"model '.*missing' is neither a registered name"),
+    (["bench", "--out", "/proc/vasepatch-never"], r"argument --out: /proc/vasepatch-never cannot be written"),
     (["bench", "--tokens", "0,64"], r"argument --tokens: each of the comma-separated values must be an int in \[1, "),
     (["bench", "--tokens", "64,abc"], r"argument --tokens: .*must be an int .*got 'abc'"),
     (["bench", "--batch", "0"], r"argument --batch: each of the comma-separated values must be an int in \[1, "),
@@ -321,3 +333,16 @@ def test_bytes_that_are_not_utf8_from_a_real_shell(tmp_path):
         b"vasepatch: error: argument 4 ('caf\\xff') is not UTF-8 text: byte 0xff at offset 3; "
         b"pass UTF-8 (e.g. convert it with iconv -t UTF-8)\n"
     )
+
+
+def test_bench_says_when_its_lengths_go_past_the_model_positions(tiny_model_dir, capsys):
+    """A benchmark may time past the positions a model takes (the default 8K lengths on SmolLM2): one note,
+    not a refusal."""
+    from vasepatch.bench.cli import _note_positions
+    from vasepatch.bench.settings import BenchSettings
+
+    _note_positions(BenchSettings(model=str(tiny_model_dir), tokens=[64, 1024], prompt_len=16, steps=8, repeats=2))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the longest sequence, 1056 tokens" in err and "past the 1024 positions" in err
+    _note_positions(BenchSettings(model=str(tiny_model_dir), tokens=[64, 512], prompt_len=16, steps=8, repeats=2))
+    assert capsys.readouterr().err == ""

@@ -85,10 +85,14 @@ def int_in(lo: int | None = 1, hi: int | None = MAX_COUNT, what: str = "") -> Ca
 
 
 def odd_int(text: str) -> int:
-    """argparse type: an odd int >= 1 (the width of a centred pool)."""
-    value = int_in(1, what="odd: the width of a centred average pool")(text)
-    if value % 2 == 0:
-        raise argparse.ArgumentTypeError(f"must be an odd int >= 1 (the width of a centred average pool), got {value}")
+    """argparse type: an odd int in [1, 2**31 - 1] (the width of a centred pool)."""
+    what = f"must be an odd int in [1, {MAX_COUNT}] (the width of a centred average pool)"
+    try:
+        value = int(text.strip().replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what}, got {text!r}") from None
+    if value < 1 or value > MAX_COUNT or value % 2 == 0:
+        raise argparse.ArgumentTypeError(f"{what}, got {value}")
     return value
 
 
@@ -258,7 +262,7 @@ def read_utf8(stream: Any, name: str = "stdin") -> str:
 
 def folder_problem(text: str) -> str | None:
     """Why `text` cannot be an output folder (exists as a file, cannot be created, cannot be written), or None.
-    Nothing is created."""
+    Nothing is left behind (the check makes a temporary folder in the nearest existing one and removes it)."""
     path = Path(text).expanduser()
     if path.exists() and not path.is_dir():
         return f"{text} is a file, not a folder"
@@ -269,6 +273,18 @@ def folder_problem(text: str) -> str | None:
         return f"{text} cannot be created: {existing} is a file, not a folder"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{text} cannot be written: no write permission on {existing}"
+    return _write_problem(text, existing)
+
+
+def _write_problem(text: str, existing: Path) -> str | None:
+    """Whether a folder can really be made in `existing` (root passes every permission check, yet cannot
+    write /proc or a read-only mount): a temporary folder is made there and removed at once."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".vasepatch-check-", dir=existing))
+    except OSError as err:
+        return f"{text} cannot be written: {err.strerror or err} in {existing}"
     return None
 
 

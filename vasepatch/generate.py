@@ -14,7 +14,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vasepatch import models, threads
-from vasepatch.cli_args import device, int_in, number_in, policy_name, policy_names_text, read_utf8, seed
+from vasepatch.cli_args import (
+    check_positions,
+    device,
+    int_in,
+    max_positions,
+    number_in,
+    policy_name,
+    policy_names_text,
+    read_utf8,
+    seed,
+)
 from vasepatch.config import PREFILL_MODES, VaSEConfig
 from vasepatch.streaming import LiveOutput, full_cache_bytes, human_bytes
 
@@ -296,6 +306,8 @@ def run(args: argparse.Namespace) -> None:
     prompt = read_prompt(args.prompt)
     config = cache_config(args)
     options = {**sampling_options(args), "seed": args.seed}
+    # resolves the model before any line is printed: a name or folder that is none is one line, exit 2
+    check_positions(args.model, max_positions(args.model), {"--max-new-tokens": args.max_new_tokens})
     threads.warn_if_busy(args)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     model, tokenizer = models.load(args.model, dtype=_torch_dtype(args.dtype), device=args.device)

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
 from vasepatch import threads
 from vasepatch.bench import resume
 from vasepatch.bench.settings import DTYPES, ISOLATION, MASKS, BenchSettings
-from vasepatch.cli_args import device, folder_problem, int_in, int_list, output_dir, policy_names_text, seed
+from vasepatch.cli_args import (
+    device,
+    folder_problem,
+    int_in,
+    int_list,
+    max_positions,
+    output_dir,
+    policy_names_text,
+    seed,
+)
 
 # `--quick`: a smoke run of SmolLM2-135M, the default methods at 2 lengths, batch 1, 1 repeat; explicit options win.
 # Measured with --threads 1: 365 s on a 2-core AMD EPYC VM busy with other runs (load 9-17), 114 s of CPU time
@@ -124,9 +134,25 @@ def main(args: argparse.Namespace) -> None:
     problem = folder_problem(str(out))  # the folder of a resumed run too
     if problem:
         raise ValueError(f"output folder: {problem}")
+    _note_positions(settings)  # resolves the model first: a name or folder that is none stops here, exit 2
     threads.warn_if_busy(args)  # a busy machine: one line, once every check has passed
     result = run_benchmark(settings, previous=previous, save=lambda partial: report.save(partial, out))
     paths = report.write(result, out)
     print(report.markdown(result))
     for path in paths:
         print(path)
+
+
+def _note_positions(settings: BenchSettings) -> None:
+    """Resolve the model before any work (an unknown name or a missing folder is a usage error), and say in
+    one line when the longest timed sequence goes past the positions it takes: a benchmark may time there on
+    purpose (the default 8K lengths on SmolLM2), but its outputs are not meaningful."""
+    limit = max_positions(settings.model)
+    longest = settings.prompt_len + settings.tokens[-1] + settings.steps * settings.repeats
+    if limit is not None and longest > limit:
+        print(
+            f"vasepatch: note: the longest sequence, {longest} tokens (--prompt-len, the longest --tokens and the "
+            f"timed steps), is past the {limit} positions {settings.model} takes; its timings are real, its "
+            "outputs are not meaningful",
+            file=sys.stderr,
+        )
