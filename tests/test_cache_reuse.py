@@ -9,7 +9,6 @@ import copy
 import inspect
 import io
 import pickle
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import transformers
 import vasepatch
 from tests import sliding_models
 from tests.conftest import ragged_batch
+from tests.test_validation import _registered  # register a policy for one test, then remove it
 from tests.tiny_models import VOCAB
 from vasepatch import policies
 from vasepatch.cache import VaSECache
@@ -287,15 +287,6 @@ def test_a_cache_filled_under_inference_mode_copies_and_resets(make_model):
 
 
 # --- 10c: a failed prefill leaves consistent counters ----------------------------------------------
-@contextmanager
-def _registered(name, fn):
-    policies.register(name, fn)
-    try:
-        yield
-    finally:
-        policies._REGISTRY.pop(name)
-
-
 def _one_row(keys, valid):
     return keys.float().sum(-1)[:1]
 
