@@ -109,12 +109,15 @@ def resolve(
 
 
 def _blame(message: str, own: Mapping[str, Any], engine: Mapping[str, Any]) -> str:
-    """Where the setting a message names came from: the request's key, else the engine's."""
-    names = [f.name for f in dataclasses.fields(VaSEConfig)]
-    named = [n for n in names if message.startswith(n) or f"{n}=" in message or f" {n} " in message]
-    for name in named or names:
+    """Where the setting a message names came from (the first setting it names that was given): the
+    request's key, else the engine's."""
+    at = {f.name: message.find(f.name) for f in dataclasses.fields(VaSEConfig)}
+    named = [name for _, name in sorted((i, name) for name, i in at.items() if i >= 0)]
+    if "option(s)" in message:  # the policy's own options: `policy_options`
+        named.insert(0, "policy_options")
+    for name in named:
         if name in own:
             return REQUEST_PREFIX + name
         if name in engine:
             return f"additional_config[{ENGINE_KEY!r}][{name!r}]"
-    return REQUEST_PREFIX + (named[0] if named else "budget")
+    return REQUEST_PREFIX + (named[0] if named else "budget") if own else f"additional_config[{ENGINE_KEY!r}]"

@@ -1,0 +1,259 @@
+"""The vLLM plugin's parts that need no vLLM: settings, the paged layout, the query rings, the scheduler's
+plan and the compaction, each against a reference written here. The plugin inside vLLM: tests/vllm."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vasepatch import policies
+from vasepatch.cache.eviction import kept_slots
+from vasepatch.config import VaSEConfig
+from vasepatch.integration.vllm import compaction, paged_layout, scheduler_side, settings
+from vasepatch.integration.vllm.patches import VLLM_VERSION, check_version
+from vasepatch.integration.vllm.query_rings import QueryRings
+from vasepatch.policies.keyed import KeyedGenerator
+
+# --- settings -------------------------------------------------------------------------------------------
+
+
+def test_no_settings_anywhere_is_the_full_cache():
+    assert settings.resolve(None, None, None) is None
+    assert settings.resolve({}, {"other_plugin_key": 1}, 5) is None
+    assert settings.resolve({"vasepatch": {"budget": 128}}, {"vasepatch_policy": "full"}, None) is None
+
+
+def test_request_settings_override_the_engine_and_the_seed_falls_back():
+    engine = {"vasepatch": {"budget": 256, "window": 32, "policy": "snapkv", "seed": 3}}
+    config = settings.resolve(engine, {"vasepatch_budget": 128}, 9)
+    assert (config.budget, config.window, config.policy, config.seed) == (128, 32, "snapkv", 3)
+    assert settings.resolve(None, {"vasepatch_budget": 128}, 9).seed == 9  # the request's sampling seed
+    assert settings.resolve(None, {"vasepatch_budget": 128}, None).seed == settings.DEFAULT_SEED
+
+
+@pytest.mark.parametrize(
+    ("engine", "request_args", "parameter", "text"),
+    [
+        ({"vasepatch": {"budget": -1}}, None, "additional_config['vasepatch']['budget']", "budget must be an int >= 2"),
+        (None, {"vasepatch_budget": 8, "vasepatch_window": 16}, "vasepatch_window", "window must be smaller"),
+        (None, {"vasepatch_bugdet": 3}, "vasepatch_bugdet", "unknown request setting 'vasepatch_bugdet'"),
+        (None, {"vasepatch_budget": 128, "vasepatch_policy": "nope"}, "vasepatch_policy", "unknown policy 'nope'"),
+        ({"vasepatch": {"window": 3}}, None, "additional_config['vasepatch']", "must set 'budget'"),
+        ({"vasepatch": {"budget": 128}}, {"vasepatch_smooth": 4}, "vasepatch_smooth", "smooth must be an odd int"),
+        ({"vasepatch": 5}, None, "additional_config['vasepatch']", "must be a JSON object"),
+        ({"vasepatch": {"budget": 128, "typo": 1}}, None, "additional_config['vasepatch']['typo']", "unknown setting"),
+        (
+            {"vasepatch": {"budget": 128, "policy_options": {"zzz": 1}}},
+            None,
+            "additional_config['vasepatch']['policy_options']",
+            "has no option(s) zzz",
+        ),
+        (None, {"vasepatch_window": 8}, "vasepatch_budget", "must set vasepatch_budget"),
+    ],
+)
+def test_bad_settings_name_where_they_came_from(engine, request_args, parameter, text):
+    with pytest.raises(settings.SettingsError, match=None) as err:
+        settings.resolve(engine, request_args, None)
+    assert err.value.parameter == parameter
+    assert text in str(err.value)
+
+
+def test_settings_errors_are_vaseconfigs_own():
+    with pytest.raises(ValueError) as own:
+        VaSEConfig(budget=128, protect=1000)
+    with pytest.raises(settings.SettingsError) as plugin:
+        settings.resolve(None, {"vasepatch_budget": 128, "vasepatch_protect": 1000}, None)
+    assert str(plugin.value) == str(own.value)
+
+
+def test_other_vllm_versions_are_refused():
+    check_version(VLLM_VERSION)
+    check_version(VLLM_VERSION + "+cpu")
+    with pytest.raises(RuntimeError, match=r"refuses vLLM 0\.33\.0.*VLLM_PLUGINS"):
+        check_version("0.33.0")
+
+
+# --- the paged layout -------------------------------------------------------------------------------------
+
+
+def _reference_slot(cache: torch.Tensor, blocks: list[int], slot: int, head: int):
+    """K and V of one slot, straight from the layout's definition (K transposed per block and head)."""
+    bs, d = cache.shape[2], cache.shape[3] // 2
+    region = cache[blocks[slot // bs], head].reshape(-1)
+    off = slot % bs
+    k = region[: bs * d].view(d, bs)[:, off]
+    v = region[bs * d :].view(bs, d)[off]
+    return k, v
+
+
+def test_read_slots_follows_the_layout():
+    cache = torch.randn(9, 3, 8, 2 * 4)
+    blocks = [5, 2, 7]
+    keys, values = paged_layout.read_slots(cache, torch.tensor(blocks), 19)
+    assert keys.shape == values.shape == (3, 19, 4)
+    for slot in (0, 7, 8, 15, 18):
+        for head in range(3):
+            k, v = _reference_slot(cache, blocks, slot, head)
+            assert torch.equal(keys[head, slot], k)
+            assert torch.equal(values[head, slot], v)
+
+
+def test_write_then_read_round_trips_and_touches_only_the_requests_blocks():
+    cache = torch.randn(9, 2, 8, 2 * 4)
+    before = cache.clone()
+    blocks = torch.tensor([4, 1, 6])
+    keys, values = torch.randn(2, 11, 4), torch.randn(2, 11, 4)
+    paged_layout.write_slots(cache, blocks, keys, values)
+    k, v = paged_layout.read_slots(cache, blocks, 11)
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    untouched = [b for b in range(9) if b not in (4, 1)]
+    assert torch.equal(cache[untouched], before[untouched])  # block 6 was not needed for 11 slots
+
+
+# --- the query rings ----------------------------------------------------------------------------------------
+
+
+def test_rings_keep_the_last_window_queries_of_each_request():
+    rings = QueryRings()
+    rings.assign("a", 4)
+    rings.assign("b", 4)
+    rings.assign("c", 2)
+    seen: dict[str, list[torch.Tensor]] = {"a": [], "b": [], "c": []}
+    positions = {"a": 0, "b": 0, "c": 0}
+    for step, counts in enumerate([(6, 3, 5), (1, 1, 1), (1, 0, 2), (1, 1, 1)]):
+        query = torch.randn(sum(counts), 3, 5) + step
+        starts = [0, counts[0], counts[0] + counts[1]]
+        rings.plan(["a", "b", "c"], starts, list(counts), [positions[r] for r in "abc"])
+        rings.record("layer0", query)
+        for r, start, count in zip("abc", starts, counts, strict=True):
+            seen[r].extend(query[start : start + count])
+            positions[r] += count
+    for r, window in (("a", 4), ("b", 4), ("c", 2)):
+        got = rings.queries(r, ["layer0"])[0]  # [heads, window, dim], columns by position % window
+        want = torch.stack(seen[r][-window:])  # [window, heads, dim] in order
+        order = [p % window for p in range(positions[r] - window, positions[r])]
+        assert torch.equal(got.transpose(0, 1)[order], want)
+
+
+def test_ring_rows_are_reused_and_the_pool_grows_keeping_its_rows():
+    rings = QueryRings()
+    for i in range(3):
+        rings.assign(f"r{i}", 2)
+    rings.plan(["r0", "r1", "r2"], [0, 2, 4], [2, 2, 2], [0, 0, 0])
+    query = torch.arange(6 * 2.0).view(6, 1, 2)
+    rings.record("l", query)
+    kept = {r: rings.queries(r, ["l"]).clone() for r in ("r0", "r1", "r2")}
+    for i in range(3, 9):  # grow past the first allocation
+        rings.assign(f"r{i}", 2)
+    for r, q in kept.items():
+        assert torch.equal(rings.queries(r, ["l"]), q)
+    rings.release("r1")
+    rings.assign("new", 2)
+    assert "new" in rings and "r1" not in rings
+
+
+# --- the scheduler's plan -------------------------------------------------------------------------------------
+
+
+class _Manager:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.req_to_blocks: dict[str, list[int]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        self.freed: list[int] = []
+        self.block_pool = SimpleNamespace(free_blocks=lambda blocks: self.freed.extend(blocks))
+
+
+def _scheduler(requests, block_size=16, engine=None):
+    manager = _Manager(block_size)
+    coordinator = SimpleNamespace(single_type_managers=(manager,))
+    return SimpleNamespace(
+        running=requests,
+        vllm_config=SimpleNamespace(additional_config=engine or {}),
+        kv_cache_manager=SimpleNamespace(coordinator=coordinator),
+    ), manager
+
+
+def _request(req_id, prompt, extra):
+    sp = SimpleNamespace(extra_args=extra, seed=None)
+    return SimpleNamespace(
+        request_id=req_id, sampling_params=sp, num_prompt_tokens=prompt, num_computed_tokens=0, num_output_tokens=0
+    )
+
+
+def _decode(request, computed):
+    request.num_computed_tokens, request.num_output_tokens = computed, computed - request.num_prompt_tokens + 1
+    request.num_tokens = computed + 1
+
+
+def test_the_plan_evicts_as_the_transformers_cache_does_and_frees_the_tail():
+    budget, window, bs = 40, 8, 16
+    req = _request("a", 50, {"vasepatch_budget": budget, "vasepatch_window": window})
+    full = _request("b", 50, None)
+    scheduler, manager = _scheduler([req, full], bs)
+    manager.req_to_blocks = {"a": list(range(4)), "b": list(range(10, 14))}
+    _decode(req, 50)
+    _decode(full, 50)
+    step = scheduler_side.finish(scheduler, scheduler_side.plan(scheduler))
+    # the prompt (50 > budget) is compressed at once; 3 blocks of 16 hold 40; the full-cache request is left alone
+    assert step.orders == {"a": scheduler_side.Order(50, 0, 0)}
+    assert step.dropped == {"a": 10} and manager.req_to_blocks["a"] == [0, 1, 2] and manager.freed == [3]
+    assert manager.req_to_blocks["b"] == [10, 11, 12, 13]
+    evicted_at = []
+    for computed in range(51, 51 + 3 * window):
+        _decode(req, computed)
+        manager.req_to_blocks["a"] = list(range(-(-(computed - req.vasepatch.dropped) // bs)))
+        step = scheduler_side.plan(scheduler)
+        if step.orders:
+            evicted_at.append((computed, step.orders["a"]))
+    # then once every `window` tokens, when the request holds budget + window slots
+    assert [c for c, _ in evicted_at] == [50 + window, 50 + 2 * window, 50 + 3 * window]
+    assert evicted_at[0][1] == scheduler_side.Order(budget + window, 10, 1)
+    assert req.vasepatch.dropped == 10 + 3 * window
+
+
+def test_a_preempted_request_starts_over_and_physical_counts_slots():
+    req = _request("a", 10, {"vasepatch_budget": 40, "vasepatch_window": 8})
+    scheduler, _ = _scheduler([req])
+    _decode(req, 48)
+    scheduler_side.plan(scheduler)  # 48 = budget + window: evicts back to 40
+    assert req.vasepatch.dropped == 8
+    with scheduler_side.physical(req):
+        assert req.num_computed_tokens == 40
+    assert req.num_computed_tokens == 48
+    req.vasepatch.reset()
+    assert (req.vasepatch.dropped, req.vasepatch.prefilled) == (0, False)
+
+
+# --- the compaction ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy_name", ["vase", "snapkv", "rkv"])
+def test_compaction_keeps_what_the_transformers_cache_keeps(policy_name):
+    torch.manual_seed(0)
+    layers, heads, q_heads, d, bs = 2, 2, 4, 8, 8
+    budget, window, n, dropped = 24, 8, 32, 5
+    config = VaSEConfig(budget=budget, window=window, policy=policy_name, seed=11)
+    policy = policies.for_config(config)
+    caches = [torch.randn(10, heads, bs, 2 * d) for _ in range(layers)]
+    blocks = torch.tensor([7, 2, 9, 0])
+    dense = [paged_layout.read_slots(c, blocks, n) for c in caches]
+    queries = torch.randn(layers, q_heads, window, d)
+    earlier = torch.randint(0, 10_000, (layers, heads, budget))
+    positions = compaction.candidate_positions(earlier, layers, heads, n, dropped)
+    assert torch.equal(positions[..., :budget], earlier)
+    assert torch.equal(positions[0, 0, budget:], torch.arange(dropped + budget, dropped + n))
+    kept_positions = compaction.compact(caches, blocks, n, queries, positions, config, policy, rounds=3)
+    for layer in range(layers):
+        keys, values = (t.unsqueeze(0) for t in dense[layer])
+        valid = torch.ones(1, heads, n, dtype=torch.bool)
+        generator = KeyedGenerator(11, layer, 3, 0)
+        kept = kept_slots(policy, keys, values, positions[layer : layer + 1], valid, queries[layer : layer + 1],
+                          n, budget, window, generator)  # fmt: skip
+        new_keys, new_values = paged_layout.read_slots(caches[layer], blocks, budget)
+        want_keys = keys[0].gather(1, kept[0, ..., None].expand(-1, -1, d))
+        want_values = values[0].gather(1, kept[0, ..., None].expand(-1, -1, d))
+        assert torch.equal(new_keys, want_keys) and torch.equal(new_values, want_values)
+        assert torch.equal(kept_positions[layer], positions[layer].gather(-1, kept[0]))
