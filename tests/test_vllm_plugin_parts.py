@@ -60,6 +60,15 @@ def test_bad_settings_name_where_they_came_from(engine, request_args, parameter,
     assert text in str(err.value)
 
 
+def test_yes_no_request_settings_take_what_http_can_send():
+    """vLLM's server types `vllm_xargs` values as str, int, float or list: JSON true/false arrive as 1/0."""
+    for sent, meant in ((True, True), (1, True), ("true", True), ("False", False), (0, False)):
+        config = settings.resolve(None, {"vasepatch_budget": 128, "vasepatch_shared_heads": sent}, None)
+        assert config.shared_heads is meant
+    with pytest.raises(settings.SettingsError, match="shared_heads must be a bool"):
+        settings.resolve(None, {"vasepatch_budget": 128, "vasepatch_shared_heads": 2}, None)
+
+
 def test_settings_errors_are_vaseconfigs_own():
     with pytest.raises(ValueError) as own:
         VaSEConfig(budget=128, protect=1000)

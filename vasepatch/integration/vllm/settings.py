@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from vasepatch.config import FULL, VaSEConfig
+from vasepatch.config import BOOL_FIELDS, FULL, VaSEConfig
 
 ENGINE_KEY = "vasepatch"  # additional_config["vasepatch"]
 REQUEST_PREFIX = "vasepatch_"  # extra_args["vasepatch_budget"], ...
@@ -75,7 +75,17 @@ def request_settings(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
     if unknown:
         allowed = ", ".join(REQUEST_PREFIX + f for f in REQUEST_FIELDS)
         raise SettingsError(f"unknown request setting {unknown[0]!r}; allowed: {allowed}", unknown[0])
-    return {k[len(REQUEST_PREFIX) :]: v for k, v in given.items()}
+    return {k[len(REQUEST_PREFIX) :]: _request_bool(k, v) for k, v in given.items()}
+
+
+def _request_bool(key: str, value: Any) -> Any:
+    """A yes/no setting as HTTP can send it: vLLM's server types `vllm_xargs` values as str, int, float or
+    list, so JSON `true`/`false` arrive as 1/0; those and "true"/"false" are taken as the bool."""
+    if key[len(REQUEST_PREFIX) :] not in BOOL_FIELDS or isinstance(value, bool):
+        return value
+    spelled = {1: True, 0: False, "true": True, "false": False}
+    key_of = value.lower() if isinstance(value, str) else value
+    return spelled.get(key_of, value) if isinstance(key_of, (int, str)) else value
 
 
 def resolve(

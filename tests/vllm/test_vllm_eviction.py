@@ -1,0 +1,145 @@
+"""Eviction inside vLLM: the same tokens as vasepatch's transformers cache, whatever the batch, with the
+tail blocks given back to vLLM's pool. One SmolLM2 engine for the module; requests carry their settings."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run's vLLM pass runs these in their own venv")
+
+import torch
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+from tests.vllm.engines import engine, worker_state
+
+BUDGET, WINDOW, NEW = 128, 32, 60
+BLOCK = 32  # the engine's block size (tests/vllm/engines.py)
+
+
+def evicting(policy: str, **more) -> dict:
+    return {"vasepatch_budget": BUDGET, "vasepatch_window": WINDOW, "vasepatch_policy": policy, **more}
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    # every prompt of a test prefills in one step: vLLM 0.32's CPU runner fails on a seeded request whose prefill
+    # is chunked ("CPU Generator does not use offset", gpu_model_runner.py:3502), with or without the plugin
+    with engine(smollm2_path, disable_log_stats=False, max_num_batched_tokens=8192) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2_path) -> list[int]:
+    """~500 tokens: over the budget, so the prompt itself is compressed, then 60 tokens evict twice more."""
+    from transformers import AutoTokenizer
+
+    text = (
+        "The bakery opens at seven. Mara bakes rye, Tomas bakes croissants, and the oven runs hot by eight. " * 22
+        + "\nWhat does Tomas bake? Answer:"
+    )
+    return AutoTokenizer.from_pretrained(smollm2_path)(text).input_ids
+
+
+def transformers_tokens(path: str, prompt: list[int], **patch) -> list[int]:
+    """Greedy tokens of vasepatch's own cache on the same model (a batch of one, the same seed)."""
+    from transformers import AutoModelForCausalLM
+
+    import vasepatch
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with vasepatch.patched(model, **patch):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def vllm_tokens(llm, prompts, params) -> list[list[int]]:
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("policy", "shared"), [("vase", False), ("snapkv", False), ("vase", True)], ids=["vase", "snapkv", "vase-shared"]
+)
+def test_tokens_equal_the_transformers_cache(llm, smollm2_path, prompt, policy, shared):
+    settings = dict(budget=BUDGET, window=WINDOW, policy=policy, seed=0, shared_heads=shared)
+    want = transformers_tokens(smollm2_path, prompt, **settings)
+    params = SamplingParams(
+        max_tokens=NEW, min_tokens=NEW, temperature=0,
+        extra_args=evicting(policy, vasepatch_seed=0, vasepatch_shared_heads=shared),
+    )  # fmt: skip
+    before = llm.collective_rpc(worker_state)[0]["evictions"]
+    (got,) = vllm_tokens(llm, [prompt], params)
+    evictions = llm.collective_rpc(worker_state)[0]["evictions"] - before
+    assert evictions >= 2  # the prompt compressed, then at least one decode eviction
+    assert got == want
+    full = vllm_tokens(llm, [prompt], SamplingParams(max_tokens=NEW, min_tokens=NEW, temperature=0))[0]
+    assert full != got  # the evictions changed the text: the comparison above is not vacuous
+
+
+@pytest.mark.timeout(600)
+def test_a_request_gives_the_same_sample_alone_and_in_a_batch_of_eight(llm, prompt):
+    params = SamplingParams(max_tokens=NEW, temperature=0.8, seed=5, extra_args=evicting("vase"))
+    alone = vllm_tokens(llm, [prompt], params)[0]
+    others = [prompt[k:] + prompt[:k] for k in range(7, 77, 10)]  # 7 other requests, other settings too
+    other_params = [
+        SamplingParams(
+            max_tokens=NEW - 5 * i, temperature=0.8, seed=i, extra_args=evicting("snapkv" if i % 2 else "vase")
+        )
+        for i in range(7)
+    ]
+    batch = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in [*others[:3], prompt, *others[3:]]],
+        [*other_params[:3], params, *other_params[3:]],
+        use_tqdm=False,
+    )
+    assert list(batch[3].outputs[0].token_ids) == alone
+    assert vllm_tokens(llm, [prompt], params)[0] == alone  # and run after run
+
+
+def kv_usage(llm) -> float:
+    return next(m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc")
+
+
+@pytest.mark.timeout(600)
+def test_tail_blocks_go_back_to_vllms_pool(llm, prompt):
+    """vLLM's own KV usage metric: an evicting request holds at most ceil((budget + window) / block) blocks."""
+    engine_ = llm.llm_engine
+    total_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    most = {}
+    for policy in ("full", "vase"):
+        extra = None if policy == "full" else evicting("vase")
+        params = SamplingParams(max_tokens=200, min_tokens=200, temperature=0, extra_args=extra)
+        engine_.add_request(f"usage-{policy}", TokensPrompt(prompt_token_ids=prompt), params)
+        peak = 0.0
+        while engine_.has_unfinished_requests():
+            engine_.step()
+            peak = max(peak, kv_usage(llm))
+        most[policy] = round(peak * (total_blocks - 1))
+    assert most["full"] == -(-(len(prompt) + 200) // BLOCK)  # the whole sequence (the last token has no KV yet: <=)
+    assert most["vase"] <= -(-max(len(prompt), BUDGET + WINDOW) // BLOCK)  # the prompt's blocks until it is compressed
+    assert kv_usage(llm) == 0.0
+
+
+@pytest.mark.timeout(300)
+def test_bad_request_settings_are_refused_naming_the_key(llm, prompt):
+    from vllm.exceptions import VLLMValidationError
+
+    cases = (({"vasepatch_budget": -1}, "budget must be an int >= 2.*parameter=vasepatch_budget"),
+             ({"vasepatch_bugdet": 3}, "unknown request setting 'vasepatch_bugdet'"))  # fmt: skip
+    for extra, key in cases:
+        with pytest.raises(VLLMValidationError, match=key):
+            llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(max_tokens=4, extra_args=extra))
+    assert (
+        len(vllm_tokens(llm, [prompt], SamplingParams(max_tokens=4, min_tokens=4, temperature=0))[0]) == 4
+    )  # still serving
+
+
+def test_an_engine_that_cannot_evict_is_refused_before_it_starts(smollm2_path):
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match=r"prefix caching is on: pass enable_prefix_caching=False"):
+        LLM(smollm2_path, enable_prefix_caching=True, additional_config={"vasepatch": {"budget": 256}})
+    with pytest.raises(ValueError, match=r"window must be smaller than budget"):
+        LLM(smollm2_path, enable_prefix_caching=False, additional_config={"vasepatch": {"budget": 64}})
