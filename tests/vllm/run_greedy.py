@@ -1,7 +1,7 @@
 """Greedy tokens from a fresh vLLM engine, as JSON on the last line of stdout: what the parity tests compare.
 
     python tests/vllm/run_greedy.py '{"model": ..., "prompts": [[ids...], ...], "max_tokens": 40,
-                                      "engine": {...}, "extra_args": {...}}'
+                                      "engine": {...}, "extra_args": {...} or [{...} per prompt]}'
 
 Run it with `VLLM_PLUGINS=none` for vLLM without the plugin (no plugin is called "none").
 """
@@ -20,13 +20,13 @@ def main() -> None:
     from tests.vllm.engines import engine
 
     detokenize = not spec.get("engine", {}).get("skip_tokenizer_init", False)  # a model folder with no tokenizer
-    params = SamplingParams(
-        max_tokens=spec["max_tokens"],
-        temperature=0,
-        ignore_eos=True,
-        detokenize=detokenize,
-        extra_args=spec.get("extra_args"),
-    )
+    extra = spec.get("extra_args")
+    params = [
+        SamplingParams(
+            max_tokens=spec["max_tokens"], temperature=0, ignore_eos=True, detokenize=detokenize, extra_args=args
+        )
+        for args in (extra if isinstance(extra, list) else [extra] * len(spec["prompts"]))
+    ]
     with engine(spec["model"], **spec.get("engine", {})) as llm:
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
