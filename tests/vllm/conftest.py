@@ -30,3 +30,15 @@ def smollm2_path() -> str:
     except FileNotFoundError as err:
         pytest.skip(str(err))
     return str(models.resolve("smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def prompt(smollm2_path) -> list[int]:
+    """~500 tokens: over the budget, so the prompt itself is compressed, then 60 tokens evict twice more."""
+    from transformers import AutoTokenizer
+
+    text = (
+        "The bakery opens at seven. Mara bakes rye, Tomas bakes croissants, and the oven runs hot by eight. " * 22
+        + "\nWhat does Tomas bake? Answer:"
+    )
+    return AutoTokenizer.from_pretrained(smollm2_path)(text).input_ids

@@ -29,18 +29,6 @@ def llm(smollm2_path):
         yield llm
 
 
-@pytest.fixture(scope="module")
-def prompt(smollm2_path) -> list[int]:
-    """~500 tokens: over the budget, so the prompt itself is compressed, then 60 tokens evict twice more."""
-    from transformers import AutoTokenizer
-
-    text = (
-        "The bakery opens at seven. Mara bakes rye, Tomas bakes croissants, and the oven runs hot by eight. " * 22
-        + "\nWhat does Tomas bake? Answer:"
-    )
-    return AutoTokenizer.from_pretrained(smollm2_path)(text).input_ids
-
-
 def transformers_tokens(path: str, prompt: list[int], **patch) -> list[int]:
     """Greedy tokens of vasepatch's own cache on the same model (a batch of one, the same seed)."""
     from transformers import AutoModelForCausalLM
