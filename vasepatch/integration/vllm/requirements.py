@@ -2,8 +2,10 @@
 
 Eviction rewrites a request's blocks in place and gives some back, so nothing else may read or share
 them by position: the prefix cache (blocks published under a hash of the tokens before them),
-speculative decoding (rollbacks and the drafter's own slots), KV connectors (positional blocks) and
-pipeline parallelism are refused with an error naming the setting to change. So are models whose
+speculative decoding (rollbacks and the drafter's own slots), KV connectors (positional blocks),
+pipeline parallelism, and any cache layout but the two the plugin reads (vLLM's CPU backend, `vec` and
+`vec16`: not the GPU's, not AMX's bf16 one, not fp8) are refused with an error naming the setting to
+change. So are models whose
 layers are not all full attention (one block table for every layer; sliding-window layers free blocks
 of their own), and more tensor-parallel ranks than KV heads (replicated KV heads would need their
 scores summed across ranks).
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vasepatch.integration.vllm import settings
+from vasepatch.integration.vllm import paged_layout, settings
 
 
 def problems(vllm_config: Any) -> list[str]:
@@ -31,6 +33,7 @@ def problems(vllm_config: Any) -> list[str]:
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
         found.append("pipeline parallelism is on: use pipeline_parallel_size=1")
+    found.extend(_layout_problems(vllm_config))
     model = vllm_config.model_config
     if model.get_sliding_window() is not None or _mixed_layers(model.hf_text_config):
         found.append("the model has sliding-window or other non-full-attention layers: only full attention works")
@@ -41,6 +44,25 @@ def problems(vllm_config: Any) -> list[str]:
             "replicated KV heads are not supported"
         )
     return found
+
+
+def _layout_problems(vllm_config: Any) -> list[str]:
+    """The plugin reads and writes vLLM's CPU cache layouts `vec` and `vec16` only (`paged_layout`)."""
+    if vllm_config.device_config.device_type != "cpu":
+        return ["the plugin supports vLLM's CPU backend only (its paged layout, its attention): serve on the CPU"]
+    if vllm_config.cache_config.cache_dtype != "auto":
+        return [f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}: only the model's own dtype ('auto') works"]
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    model, block = vllm_config.model_config, vllm_config.cache_config.block_size
+    isa = _get_attn_isa(model.dtype, block, model.get_head_size(), "auto")
+    if isa not in paged_layout.SUPPORTED_ISAS:
+        layouts = " and ".join(paged_layout.SUPPORTED_ISAS)
+        return [
+            f"vLLM's CPU attention would use its {isa!r} cache layout (dtype {model.dtype}, block_size {block}), "
+            f"and the plugin reads only {layouts}: use dtype float32"
+        ]
+    return []
 
 
 def _mixed_layers(hf_config: Any) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 from vasepatch import policies
 from vasepatch.config import VaSEConfig
-from vasepatch.integration.vllm import compaction, settings
+from vasepatch.integration.vllm import compaction, paged_layout, settings
 from vasepatch.integration.vllm.query_rings import QueryRings
 from vasepatch.integration.vllm.scheduler_side import STEP_ATTR, Order, Step
 
@@ -68,6 +68,9 @@ class WorkerEviction:
         group = runner.kv_cache_config.kv_cache_groups[0]
         context = runner.compilation_config.static_forward_context
         caches = [context[name].kv_cache for name in group.layer_names]
+        isa = getattr(context[group.layer_names[0]], "isa", None)
+        if isa not in paged_layout.SUPPORTED_ISAS:  # checked when the engine started: never reached
+            raise RuntimeError(f"vasepatch cannot evict from vLLM's {isa!r} cache layout")
         req_state = runner.requests[req_id]
         blocks = torch.tensor(req_state.block_ids[0], dtype=torch.int64)
         heads = caches[0].shape[1]
