@@ -75,13 +75,28 @@ def check_engine(vllm_config: Any) -> None:
     additional = vllm_config.additional_config
     if not settings.engine_settings(additional):
         return
-    settings.resolve(additional, None, None)  # every value, as VaSEConfig checks it
+    try:
+        settings.resolve(additional, None, None)  # every value, as VaSEConfig checks it
+    except settings.SettingsError as exc:
+        raise settings.SettingsError(
+            f"{exc.parameter}: {exc}{_defaults_named(str(exc), additional)}", exc.parameter
+        ) from None
     found = problems(vllm_config)
     if found:
         raise settings.SettingsError(
             "additional_config['vasepatch'] asks for eviction, which this engine cannot do: " + "; ".join(found),
             f"additional_config[{settings.ENGINE_KEY!r}]",
         )
+
+
+def _defaults_named(message: str, additional: Any) -> str:
+    """Which values a message names that the engine did not set (so they are VaSEConfig's defaults)."""
+    given = settings.engine_settings(additional)
+    defaults = [f for f in settings.ENGINE_FIELDS if f"{f}=" in message and f not in given]
+    if not defaults:
+        return ""
+    names = ", ".join(defaults)
+    return f" ({names}: the default, not set in additional_config['vasepatch']; set it there to change it)"
 
 
 def check_request(vllm_config: Any, params: Any) -> None:
