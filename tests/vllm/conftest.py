@@ -34,7 +34,7 @@ def smollm2_path() -> str:
 
 @pytest.fixture(scope="session")
 def prompt(smollm2_path) -> list[int]:
-    """~500 tokens: over the budget, so the prompt itself is compressed, then 60 tokens evict twice more."""
+    """626 tokens: over the budget, so the prompt itself is compressed, then the decode evicts too."""
     from transformers import AutoTokenizer
 
     text = (
