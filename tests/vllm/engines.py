@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ENGINE_DEFAULTS = dict(
     dtype="float32",
@@ -38,3 +45,13 @@ def worker_state(worker: Any) -> dict[str, Any]:
     if state is None:
         return {"evictions": 0, "requests": 0}
     return {"evictions": state.evictions, "requests": len(state.requests)}
+
+
+def greedy_in_subprocess(spec: dict[str, Any], env: dict[str, str], timeout: float) -> list[list[int]]:
+    """Greedy tokens from a fresh engine in its own process (`run_greedy.py`), with `env` added to this one's."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tests/vllm/run_greedy.py"), json.dumps(spec)],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, cwd=ROOT,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

@@ -8,36 +8,19 @@ lengths, the scheduler's plan) and none evicts.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run's vLLM pass runs these in their own venv")
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.vllm.engines import greedy_in_subprocess
+
 PROMPTS = [[1 + (7 * i + 3 * j) % 400 for j in range(n)] for i, n in enumerate((37, 5, 120, 64))]
 NEW_TOKENS = 48
 
 
 def greedy(model: str, plugin: bool, engine: dict) -> list[list[int]]:
     spec = {"model": model, "prompts": PROMPTS, "max_tokens": NEW_TOKENS, "engine": engine}
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if not plugin:
-        env["VLLM_PLUGINS"] = "none"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "tests/vllm/run_greedy.py"), json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=420,
-        env=env,
-        cwd=ROOT,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return greedy_in_subprocess(spec, {} if plugin else {"VLLM_PLUGINS": "none"}, timeout=420)
 
 
 def check_parity(model: str, engine: dict) -> None:

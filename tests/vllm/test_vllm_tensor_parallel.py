@@ -7,17 +7,12 @@ the ranks are bound by hand (`VLLM_CPU_OMP_THREADS_BIND="0|1|0"`), and each rank
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run's vLLM pass runs these in their own venv")
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.vllm.engines import greedy_in_subprocess
+
 NEW = 40
 
 
@@ -25,15 +20,8 @@ def greedy(model: str, prompt: list[int], ranks: int) -> list[list[int]]:
     extra = [None, {"vasepatch_budget": 128, "vasepatch_window": 32, "vasepatch_policy": "vase", "vasepatch_seed": 1}]
     spec = {"model": model, "prompts": [prompt, prompt], "max_tokens": NEW, "extra_args": extra}
     spec["engine"] = {"tensor_parallel_size": ranks, "max_model_len": 1024}
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if ranks > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % 2) for r in range(ranks))
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "tests/vllm/run_greedy.py"), json.dumps(spec)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % 2) for r in range(ranks))} if ranks > 1 else {}
+    return greedy_in_subprocess(spec, bind, timeout=600)
 
 
 @pytest.mark.timeout(1300)
