@@ -1,18 +1,23 @@
 """Issue 22, item 4: the cheaper eviction keeps exactly what the previous one kept.
 
 The eviction now (1) hashes the keyed noise with the key-free halves of the hash cached
-(`keyed.mixed_indices`) and (2) moves the kept slots with one `index_select` of whole rows
+(`keyed.mixed_indices`), (2) moves the kept slots with one `index_select` of whole rows
 (`eviction.gather_slots`) instead of a `gather` with the slot index expanded over the head
-dimension. Both must change no bit. The reference below is the previous formulation, written
-out here: the chained `absorb_tensor` hash of (key, row, global KV head, slot) and the
-expanded-index `gather`. Every registered policy is driven through the production step
-(`attention_step`) twice, once with the library's eviction and once with the reference, over
-ragged batches, tensor-parallel head offsets, a sliding-window layer with its own budget, and
-an overflowing (chunked) step, and the buffers are compared bit for bit.
+dimension, and (3) computes the window attention a few (row, KV head) pairs at a time, masking
+the invalid candidates by adding a 0 / -inf bias in the pass that scales the logits
+(`scoring.window_attention`, `scoring.attention_chunks`) instead of one batched product and a
+broadcast `masked_fill`. None may change a bit. The reference below is the previous formulation,
+written out here: the chained `absorb_tensor` hash of (key, row, global KV head, slot), the
+expanded-index `gather` and the one-product window attention. Every registered policy is driven
+through the production step (`attention_step`) twice, once with the library's eviction and once
+with the reference, over ragged batches, tensor-parallel head offsets, a sliding-window layer with
+its own budget, and an overflowing (chunked) step, and the buffers are compared bit for bit.
 
-Batching the eviction of all layers (stacking their buffers along the batch axis) was measured
-and does not pay on CPU (`benchmarks/eviction_batching.py`); the last test checks that the
-stacking it times keeps the same slots, so its timings compare like with like.
+Stacking the eviction of all layers along the batch axis was measured
+(`benchmarks/eviction_batching.py`): with the chunked window attention it pays at batch 1 and
+costs at batch 8, where copying the layers' buffers together outweighs what it saves; the
+library evicts layer by layer. The last test checks that the stacking the benchmark times keeps
+the same slots, so its timings compare like with like.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.drive import step
 from vasepatch import VaSEConfig, policies
 from vasepatch.cache import VaSELayer, eviction
 from vasepatch.cache.plan import LayerPlan
-from vasepatch.policies import keyed
+from vasepatch.policies import keyed, scoring
 from vasepatch.policies.keyed import MASK32, SHARED_HEAD, KeyedGenerator, absorb_tensor, to_uniform
 
 CPU = torch.device("cpu")
@@ -59,6 +65,58 @@ class ReferenceGenerator(KeyedGenerator):
 
 def reference_gather(src: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return src.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, src.shape[-1]))
+
+
+def reference_window_attention(keys, queries, valid, temperature=1.0, smooth=1):
+    """The window attention as one batched product, scaled, then a broadcast `masked_fill`."""
+    h_kv, d = keys.shape[1], keys.shape[-1]
+    b, hq, w, _ = queries.shape
+    q = queries.float().reshape(b, h_kv, hq // h_kv * w, d)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(1.0 / (math.sqrt(d) * temperature))
+    logits.masked_fill_(~valid.unsqueeze(-2), float("-inf"))
+    scores = torch.softmax(logits, dim=-1).mean(-2).nan_to_num_(0.0)
+    if smooth > 1:
+        n = scores.shape[-1]
+        pooled = F.avg_pool1d(scores.reshape(-1, 1, n), kernel_size=smooth, padding=smooth // 2, stride=1)
+        scores = pooled[..., :n].reshape(scores.shape)
+    return scores.masked_fill(~valid, 0.0)
+
+
+WINDOW_SHAPES = [  # (batch, KV heads, GQA group, window, candidates, head dim, dtype)
+    (1, 3, 3, 64, 512, 64, torch.float32),
+    (8, 3, 3, 64, 512, 64, torch.float32),
+    (3, 2, 4, 7, 33, 128, torch.float32),
+    (2, 4, 1, 5, 19, 96, torch.bfloat16),
+    (1, 1, 2, 1, 1, 16, torch.float32),
+]
+
+
+@pytest.mark.parametrize("shape", WINDOW_SHAPES)
+@pytest.mark.parametrize("chunk_bytes", [1, 2**16, 2 * 2**20, 2**40])
+def test_the_chunked_window_attention_is_the_one_product(shape, chunk_bytes, monkeypatch):
+    """Any chunk size (1 byte: one pair a chunk; 1 TiB: one chunk) gives the previous numbers bit
+    for bit, with padding, a row and head with no valid candidate, temperatures and smoothing."""
+    b, h, group, w, n, d, dtype = shape
+    g = torch.Generator().manual_seed(sum(shape[:6]))
+    keys = (torch.randn(b, h, n, d, generator=g) * 2).to(dtype)
+    queries = (torch.randn(b, h * group, w, d, generator=g) * 2).to(dtype)
+    valid = torch.rand(b, h, n, generator=g) > 0.25
+    valid[0, 0] = False  # no valid candidate: scores 0
+    monkeypatch.setitem(scoring.CHUNK_BYTES, "cpu", chunk_bytes)
+    for temperature, smooth in ((1.0, 1), (0.7, 5), (1.3, 3)):
+        got = scoring.window_attention(keys, queries, valid, temperature, smooth)
+        assert torch.equal(got, reference_window_attention(keys, queries, valid, temperature, smooth))
+
+
+@pytest.mark.parametrize(
+    ("pairs", "per_pair", "limit"), [(24, 192 * 512, 2 * 2**20), (3, 10, 2**40), (7, 5, 1), (0, 9, 64)]
+)
+def test_attention_chunks_cover_every_pair_within_the_limit(pairs, per_pair, limit, monkeypatch):
+    monkeypatch.setitem(scoring.CHUNK_BYTES, "cpu", limit)
+    chunks = scoring.attention_chunks(pairs, per_pair, CPU)
+    assert [i for c in chunks for i in range(pairs)[c]] == list(range(pairs))
+    assert all(c.stop - c.start == 1 or 4 * per_pair * (c.stop - c.start) <= limit for c in chunks)
+    assert len(chunks) == (0 if pairs == 0 else -(-pairs // max(1, limit // (4 * per_pair))))
 
 
 @pytest.mark.parametrize(
@@ -116,6 +174,7 @@ class _Reference:
 
         self.monkeypatch.setattr(EvictionRandomness, "for_eviction", for_eviction)
         self.monkeypatch.setattr(eviction, "gather_slots", reference_gather)
+        self.monkeypatch.setattr(scoring, "window_attention", reference_window_attention)
 
     def __exit__(self, *exc):
         self.monkeypatch.undo()
