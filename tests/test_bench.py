@@ -20,7 +20,10 @@ from vasepatch.bench.report import markdown
 from vasepatch.bench.shapes import SHAPES
 from vasepatch.cli import main
 
-COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "results" / "bench-cpu" / "bench.json"
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+COMMITTED = RESULTS / "bench-cpu" / "bench.json"
+# every committed run: the full comparison, and the eviction-share rows before and after issue 22's change
+COMMITTED_RUNS = [COMMITTED, *sorted(RESULTS.glob("bench-cpu-eviction/**/bench.json"))]
 
 
 def test_cli_end_to_end_writes_json_markdown_and_plots(tmp_path):
@@ -176,14 +179,25 @@ def test_settings_hold_a_vase_config_and_write_the_same_keys():
     assert BenchSettings.from_dict(written).to_dict() == written
 
 
-def test_committed_results_still_summarise_and_render():
-    committed = json.loads(COMMITTED.read_text())
+def test_the_eviction_share_runs_are_committed():
+    assert len(COMMITTED_RUNS) == 3, COMMITTED_RUNS  # bench-cpu, bench-cpu-eviction and its before/
+
+
+@pytest.mark.parametrize("path", COMMITTED_RUNS, ids=lambda p: str(p.parent.relative_to(RESULTS)))
+def test_committed_results_still_summarise_and_render(path):
+    committed = json.loads(path.read_text())
     settings = BenchSettings.from_dict(committed["settings"])
     rows = summarise(settings, committed["segments"])
     assert rows == committed["results"]
-    assert {r["method"] for r in rows if r["ratio_to_floor"] == 1.0} == {"floor", "floor+compile"}
+    floors = {m for m in ("floor", "floor+compile") if m in settings.methods}
+    assert floors and {r["method"] for r in rows if r["ratio_to_floor"] == 1.0} == floors
     md = markdown(committed)
-    assert "budget=512, window=64" in md and "| vase | 8192 |" in md and "not run (--skip)" in md
+    assert "budget=512, window=64" in md and "| vase | 8192 |" in md
+    assert committed["complete"] is True
+    if path == COMMITTED:
+        assert "not run (--skip)" in md
+    else:  # the markdown beside the JSON is what the JSON renders to
+        assert (path.parent / "bench.md").read_text() == md
 
 
 @pytest.mark.parametrize(
