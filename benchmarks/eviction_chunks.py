@@ -28,13 +28,14 @@ import torch
 
 import vasepatch
 from vasepatch import models
+from vasepatch.bench.methods import cache_keyword
 from vasepatch.policies import scoring
 
 SETTINGS = {"chunked": scoring.CHUNK_BYTES["cpu"], "one product": 2**62}
 
 
 def _step(model, cache, token: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=token, cache=cache, use_cache=True)
+    out = model(input_ids=token, use_cache=True, **{cache_keyword(model): cache})
     return out.logits[:, -1:].argmax(-1)
 
 

@@ -85,16 +85,16 @@ def window_attention(
     h_kv, d = keys.shape[1], keys.shape[-1]
     q = rearrange(queries, "b (h g) w d -> (b h) (g w) d", h=h_kv)
     k, scale = keys.flatten(0, 1), 1.0 / (math.sqrt(d) * temperature)
-    # -inf at the invalid candidates by adding 0 / -inf, in the same pass as the scale: 13x faster than a
-    # broadcast masked_fill on a CPU, and the same numbers (0 + s * x = s * x). Padding keys are finite (a
-    # padding query attends to its own slot), so an invalid candidate's logit is exactly -inf.
+    # -inf at the invalid candidates by adding a 0 / -inf bias in the pass that scales the logits: the same
+    # numbers as a broadcast masked_fill (0 + s * x = s * x), which is much slower on a CPU. It needs the
+    # invalid candidates' keys finite (NaN or inf plus -inf is NaN): a cache's empty slots are zeros, and a
+    # padding token's key comes from a padding query that attends to its own slot.
     bias = torch.zeros(k.shape[:2], dtype=torch.float32, device=keys.device)
     bias = bias.masked_fill_(~valid.flatten(0, 1), -math.inf).unsqueeze(-2)
     scores = torch.empty(k.shape[:2], dtype=torch.float32, device=keys.device)
     for rows in attention_chunks(k.shape[0], q.shape[1] * k.shape[1], keys.device):
         logits = torch.matmul(q[rows].float(), k[rows].float().transpose(-1, -2))
-        torch.add(bias[rows], logits, alpha=scale, out=logits)  # bias + scale * logits
-        torch.mean(torch.softmax(logits, dim=-1), dim=-2, out=scores[rows])
+        scores[rows] = torch.softmax(torch.add(bias[rows], logits, alpha=scale), dim=-1).mean(-2)
     # a (row, head) with no valid candidate has NaN in every query's row: zero its mean, not each row
     scores = scores.view(valid.shape).nan_to_num_(0.0)
     if smooth > 1:
@@ -104,18 +104,17 @@ def window_attention(
     return scores.masked_fill(~valid, 0.0)
 
 
-# The float32 logits one chunk of `window_attention` may hold. On a CPU a 2 MiB chunk stays in the caches,
-# and its temporaries are reused from malloc's heap, where one 9 MiB product of a batch of 8 gets fresh pages
-# at every eviction: SmolLM2 at batch 8, budget 512, an eviction of all 30 layers adds 222 ms to a decode
-# step chunked, 444 ms in one product (`benchmarks/eviction_chunks.py`). On an accelerator the chunks
-# only bound the eviction's peak memory.
+# The float32 logits one chunk of `window_attention` may hold. On a CPU a 2 MiB chunk stays in the caches
+# and its temporaries are reused from malloc's heap; one product of a batch of 8 holds 9 MiB per layer. SmolLM2
+# at batch 8, budget 512: an eviction of all 30 layers adds 222 ms to a decode step chunked, 444 ms in one
+# product (`benchmarks/eviction_chunks.py`). On an accelerator the chunks only bound the eviction's peak memory.
 CHUNK_BYTES = {"cpu": 2 * 2**20}
 DEVICE_CHUNK_BYTES = 256 * 2**20
 
 
 def attention_chunks(pairs: int, logits_per_pair: int, device: torch.device) -> list[slice]:
-    """Slices of the `pairs` (row, KV head) pairs, each holding at most the chunk's bytes of
-    float32 logits (at least one pair): a pure function of shapes."""
+    """Slices of the `pairs` (row, KV head) pairs, each holding at most the device's `CHUNK_BYTES` (else
+    `DEVICE_CHUNK_BYTES`) of float32 logits, at least one pair: host arithmetic on shapes, no data read."""
     limit = CHUNK_BYTES.get(device.type, DEVICE_CHUNK_BYTES)
     step = max(1, limit // (4 * max(1, logits_per_pair)))
     return [slice(s, min(s + step, pairs)) for s in range(0, pairs, step)]
