@@ -106,8 +106,9 @@ def window_attention(
 
 # The float32 logits one chunk of `window_attention` may hold. On a CPU a 2 MiB chunk stays in the caches
 # and its temporaries are reused from malloc's heap; one product of a batch of 8 holds 9 MiB per layer. SmolLM2
-# at batch 8, budget 512: an eviction of all 30 layers adds 222 ms to a decode step chunked, 444 ms in one
-# product (`benchmarks/eviction_chunks.py`). On an accelerator the chunks only bound the eviction's peak memory.
+# at batch 8, budget 512: an eviction of all 30 layers adds half as much to a decode step chunked as in one
+# product (`benchmarks/eviction_chunks.py`: 289 against 577 ms). On an accelerator the chunks only bound the
+# eviction's peak memory.
 CHUNK_BYTES = {"cpu": 2 * 2**20}
 DEVICE_CHUNK_BYTES = 256 * 2**20
 
