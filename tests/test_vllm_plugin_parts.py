@@ -77,6 +77,30 @@ def test_settings_errors_are_vaseconfigs_own():
     assert str(plugin.value) == str(own.value)
 
 
+@pytest.mark.parametrize(
+    ("engine", "text", "defaults"),
+    [
+        ({"budget": 32}, "window must be smaller than budget", "window"),
+        ({"budget": 100, "protect": 200}, "protect must satisfy", "window, sinks"),
+        ({"budget": 32, "window": 64}, "window must be smaller than budget", None),
+    ],
+)
+def test_an_engine_error_names_the_values_it_took_as_defaults(engine, text, defaults):
+    """An engine's bad settings stop it before it starts, naming the key and which of the values in the
+    message the engine did not set (VaSEConfig's defaults), so that the user knows where to change them."""
+    from vasepatch.integration.vllm import requirements
+
+    with pytest.raises(settings.SettingsError) as error:
+        requirements.check_engine(SimpleNamespace(additional_config={"vasepatch": engine}))
+    message = str(error.value)
+    assert message.startswith(f"{error.value.parameter}: {text}")
+    note = "the default, not set in additional_config['vasepatch']; set it there to change it"
+    if defaults is None:
+        assert note not in message
+    else:
+        assert message.endswith(f"({defaults}: {note})")
+
+
 def test_other_vllm_versions_are_refused():
     check_version(VLLM_VERSION)
     check_version(VLLM_VERSION + "+cpu")
