@@ -62,8 +62,9 @@ def measure(model, args, batch: int) -> dict[str, tuple[list[float], list[float]
                     if layer.counters.evictions != before:
                         break
                     plain.append(seconds)
-                results[name][0].append(seconds - statistics.median(plain))
-                results[name][1].append(statistics.median(plain))
+                typical = statistics.median(plain)
+                results[name][0].append(seconds - typical)
+                results[name][1].append(typical)
     finally:
         scoring.CHUNK_BYTES["cpu"] = SETTINGS["chunked"]
         vasepatch.unpatch(model)
