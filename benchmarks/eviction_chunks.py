@@ -34,34 +34,38 @@ from vasepatch.policies import scoring
 SETTINGS = {"chunked": scoring.CHUNK_BYTES["cpu"], "one product": 2**62}
 
 
-def _step(model, cache, token: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=token, use_cache=True, **{cache_keyword(model): cache})
-    return out.logits[:, -1:].argmax(-1)
+def decode_step(model, cache, keyword: str, ids: torch.Tensor) -> torch.Tensor:
+    """One greedy step of `model` over `cache` (`keyword`: `cache_keyword(model)`); `[B, 1]` next tokens."""
+    return model(input_ids=ids, use_cache=True, **{keyword: cache}).logits[:, -1:].argmax(-1)
+
+
+def eviction_cycle(model, cache, keyword: str, ids: torch.Tensor) -> tuple[float, list[float], torch.Tensor]:
+    """Decode up to and including the step at which the cache's layers evict: (that step's seconds,
+    the plain steps' seconds, the last tokens). Every layer evicts at the same step."""
+    layer, plain = cache.layers[0], []
+    before = layer.counters.evictions
+    while True:
+        start = time.perf_counter()
+        ids = decode_step(model, cache, keyword, ids)
+        seconds = time.perf_counter() - start
+        if layer.counters.evictions != before:
+            return seconds, plain, ids
+        plain.append(seconds)
 
 
 def measure(model, args, batch: int) -> dict[str, tuple[list[float], list[float]]]:
     """Per setting: (evicting step's extra, plain step median) of each cycle, in seconds."""
     handle = vasepatch.patch(model, budget=args.budget, window=args.window, policy=args.policy, seed=0)
-    cache = handle.new_cache()
-    layer = cache.layers[0]
+    cache, keyword = handle.new_cache(), cache_keyword(model)
     prompt = torch.randint(0, model.config.vocab_size, (batch, 128), generator=torch.Generator().manual_seed(0))
     results: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in SETTINGS}
     try:
         with torch.inference_mode():
-            token = _step(model, cache, prompt)
-            while layer.counters.evictions == 0:  # up to the first eviction, untimed
-                token = _step(model, cache, token)
+            _, _, ids = eviction_cycle(model, cache, keyword, prompt)  # up to the first eviction, untimed
             for cycle in range(args.cycles * len(SETTINGS)):
                 name = list(SETTINGS)[cycle % len(SETTINGS)]
                 scoring.CHUNK_BYTES["cpu"] = SETTINGS[name]
-                plain, before = [], layer.counters.evictions
-                while True:
-                    start = time.perf_counter()
-                    token = _step(model, cache, token)
-                    seconds = time.perf_counter() - start
-                    if layer.counters.evictions != before:
-                        break
-                    plain.append(seconds)
+                seconds, plain, ids = eviction_cycle(model, cache, keyword, ids)
                 typical = statistics.median(plain)
                 results[name][0].append(seconds - typical)
                 results[name][1].append(typical)

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from eviction_batching import LAYERS, filled_layers, per_layer
+from eviction_chunks import eviction_cycle
 
 import vasepatch
 from vasepatch import models
@@ -49,20 +50,15 @@ def decode_cycles(model, batch: int, cycles: int) -> tuple[float, list[float]]:
     """(median plain step, the extra of each evicting step), in seconds, over `cycles` eviction cycles."""
     handle = vasepatch.patch(model, budget=BUDGET, window=WINDOW, policy=POLICY, seed=0)
     cache, keyword = handle.new_cache(), cache_keyword(model)
-    layer = cache.layers[0]  # every layer evicts at the same step
     ids = torch.randint(0, model.config.vocab_size, (batch, BUDGET), generator=torch.Generator().manual_seed(0))
     plain, extra = [], []
     try:
         with torch.inference_mode():
             for cycle in range(cycles + 1):  # the first cycle warms up
-                steps, before = [], layer.counters.evictions
-                while layer.counters.evictions == before:
-                    start = time.perf_counter()
-                    ids = model(input_ids=ids, use_cache=True, **{keyword: cache}).logits[:, -1:].argmax(-1)
-                    steps.append(time.perf_counter() - start)
+                seconds, steps, ids = eviction_cycle(model, cache, keyword, ids)
                 if cycle:
-                    plain += steps[:-1]
-                    extra.append(steps[-1] - statistics.median(steps[:-1]))
+                    plain += steps
+                    extra.append(seconds - statistics.median(steps))
     finally:
         vasepatch.unpatch(model)
     return statistics.median(plain), extra
