@@ -12,8 +12,8 @@ from vasepatch import policies
 from vasepatch.cache.eviction import kept_slots
 from vasepatch.config import VaSEConfig
 from vasepatch.integration.vllm import compaction, paged_layout, scheduler_side, settings
-from vasepatch.integration.vllm.patches import VLLM_VERSION, check_version
 from vasepatch.integration.vllm.query_rings import QueryRings
+from vasepatch.integration.vllm.worker_side import WorkerEviction
 from vasepatch.policies.keyed import KeyedGenerator
 
 # --- settings -------------------------------------------------------------------------------------------
@@ -99,13 +99,6 @@ def test_an_engine_error_names_the_values_it_took_as_defaults(engine, text, defa
         assert note not in message
     else:
         assert message.endswith(f"({defaults}: {note})")
-
-
-def test_other_vllm_versions_are_refused():
-    check_version(VLLM_VERSION)
-    check_version(VLLM_VERSION + "+cpu")
-    with pytest.raises(RuntimeError, match=r"refuses vLLM 0\.33\.0.*VLLM_PLUGINS"):
-        check_version("0.33.0")
 
 
 # --- the paged layout -------------------------------------------------------------------------------------
@@ -290,3 +283,39 @@ def test_compaction_keeps_what_the_transformers_cache_keeps(policy_name):
         want_values = values[0].gather(1, kept[0, ..., None].expand(-1, -1, d))
         assert torch.equal(new_keys, want_keys) and torch.equal(new_values, want_values)
         assert torch.equal(kept_positions[layer], positions[layer].gather(-1, kept[0]))
+
+
+def test_positions_start_over_after_a_preemption():
+    """A preempted request is recomputed from its whole sequence (dropped 0): the kept positions of its last
+    eviction before the preemption must not be reused, or a policy that ranks by position (`streaming`) keeps
+    the wrong tokens."""
+    stale = torch.randint(0, 10_000, (2, 3, 8))
+    fresh = compaction.candidate_positions(stale, 2, 3, 20, dropped=0)
+    assert torch.equal(fresh, torch.arange(20).expand(2, 3, 20))
+
+
+@pytest.mark.parametrize("policy_name", ["vase", "snapkv", "streaming"])
+def test_ranks_evict_their_heads_as_one_rank_evicts_all(policy_name):
+    """Tensor parallelism: rank r holds KV heads [r * h, (r + 1) * h) and keys its noise by the global head
+    (`head_offset = rank * heads per rank`): two ranks of 2 heads keep what one rank of 4 keeps."""
+    torch.manual_seed(1)
+    layers, heads, ranks, groups, d, bs = 2, 4, 2, 2, 8, 8
+    budget, window, n = 24, 8, 40
+    config = VaSEConfig(budget=budget, window=window, policy=policy_name, seed=5)
+    policy = policies.for_config(config)
+    caches = [torch.randn(6, heads, bs, 2 * d) for _ in range(layers)]
+    blocks = torch.tensor([4, 0, 3, 1, 5])
+    queries = torch.randn(layers, heads * groups, window, d)
+    positions = compaction.candidate_positions(None, layers, heads, n, 0)
+    one_rank = [c.clone() for c in caches]
+    want = compaction.compact(one_rank, blocks, n, queries, positions, config, policy, rounds=2)
+    per = heads // ranks
+    for rank in range(ranks):
+        mine = slice(rank * per, (rank + 1) * per)
+        shard = [c[:, mine].clone() for c in caches]
+        q = queries[:, rank * per * groups : (rank + 1) * per * groups]
+        offset = WorkerEviction(rank, heads_per_rank=per).head_offset
+        got = compaction.compact(shard, blocks, n, q, positions[:, mine], config, policy, 2, head_offset=offset)
+        assert torch.equal(got, want[:, mine])
+        for layer in range(layers):
+            assert torch.equal(shard[layer], one_rank[layer][:, mine])

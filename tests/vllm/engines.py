@@ -43,8 +43,14 @@ def worker_state(worker: Any) -> dict[str, Any]:
     """What the plugin holds in a worker (run through `LLM.collective_rpc`)."""
     state = getattr(worker.model_runner, "vasepatch", None)
     if state is None:
-        return {"evictions": 0, "requests": 0}
-    return {"evictions": state.evictions, "requests": len(state.requests)}
+        return {"evictions": 0, "requests": 0, "ring_bytes": 0}
+    return {"evictions": state.evictions, "requests": len(state.requests), "ring_bytes": state.rings.nbytes}
+
+
+def worker_rss_mib(worker: Any) -> float:
+    """The worker process's resident memory in MiB (run through `LLM.collective_rpc`)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
 
 
 def greedy_in_subprocess(spec: dict[str, Any], env: dict[str, str], timeout: float) -> list[list[int]]:

