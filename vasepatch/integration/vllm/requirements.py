@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from vasepatch.integration.vllm import engine_access as access
 from vasepatch.integration.vllm import paged_layout, settings
 
 
@@ -61,10 +62,8 @@ def _layout_problems(vllm_config: Any) -> list[str]:
         return ["the plugin supports vLLM's CPU backend only (its paged layout, its attention): serve on the CPU"]
     if vllm_config.cache_config.cache_dtype != "auto":
         return [f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}: only the model's own dtype ('auto') works"]
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
     model, block = vllm_config.model_config, vllm_config.cache_config.block_size
-    isa = _get_attn_isa(model.dtype, block, model.get_head_size(), "auto")
+    isa = access.attention_isa(vllm_config)
     if isa not in paged_layout.SUPPORTED_ISAS:
         layouts = " and ".join(paged_layout.SUPPORTED_ISAS)
         return [

@@ -20,6 +20,7 @@ from typing import Any
 
 from vasepatch.cache.schedule import evict_now
 from vasepatch.config import VaSEConfig
+from vasepatch.integration.vllm import engine_access as access
 from vasepatch.integration.vllm import settings
 
 STEP_ATTR = "vasepatch_step"  # the SchedulerOutput attribute the worker reads
@@ -61,74 +62,43 @@ def state_of(request: Any, additional_config: Any) -> RequestState:
     """The request's eviction state, made on first sight (its settings were checked when it arrived)."""
     state = getattr(request, "vasepatch", None)
     if state is None:
-        sp = request.sampling_params
-        config = None if sp is None else settings.resolve(additional_config, sp.extra_args, sp.seed)
-        state = RequestState(config)
+        given = access.request_sampling(request)
+        state = RequestState(None if given is None else settings.resolve(additional_config, *given))
         request.vasepatch = state
     return state
-
-
-def decoding(request: Any) -> bool:
-    """Whether the request's prompt (or its recomputation after preemption) is done: every token but the
-    last sampled one has its KV."""
-    return request.num_output_tokens >= 1 and request.num_computed_tokens == request.num_tokens - 1
 
 
 def plan(scheduler: Any) -> Step:
     """Before `schedule()`: issue the orders of the running requests that are due, and free their tails."""
     step = Step()
-    additional = scheduler.vllm_config.additional_config
-    for request in scheduler.running:
+    additional = access.engine_config(scheduler)
+    for request in access.running(scheduler):
         state = state_of(request, additional)
         config = state.config
-        if config is None or not decoding(request):
+        if config is None or not access.decoding(request):
             continue
         first, state.prefilled = not state.prefilled, True
-        phys = request.num_computed_tokens - state.dropped
+        phys = access.computed_tokens(request) - state.dropped
         cap = config.budget + config.window
         if evict_now(config.budget, config.window, cap, phys, first_step=first, prefill="compress"):
-            step.orders[request.request_id] = Order(phys, state.dropped, state.rounds)
+            step.orders[access.request_id(request)] = Order(phys, state.dropped, state.rounds)
             state.dropped += phys - config.budget
             state.rounds += 1
-            free_tail(scheduler.kv_cache_manager, request.request_id, config.budget)
+            access.free_tail(scheduler, access.request_id(request), config.budget)
     return step
 
 
 def finish(scheduler: Any, step: Step) -> Step:
     """After `schedule()`: drop the orders of requests preempted meanwhile, attach every dropped count."""
-    running = {r.request_id: r for r in scheduler.running}
-    kept = {}
-    for req_id, order in step.orders.items():
-        request = running.get(req_id)
-        if request is not None and request.vasepatch.dropped > 0:
-            kept[req_id] = order
-    step.orders = kept
-    step.dropped = {rid: r.vasepatch.dropped for rid, r in running.items() if getattr(r, "vasepatch", None)}
-    step.dropped = {rid: d for rid, d in step.dropped.items() if d}
+    states = {access.request_id(r): getattr(r, "vasepatch", None) for r in access.running(scheduler)}
+    step.orders = {rid: o for rid, o in step.orders.items() if states.get(rid) is not None and states[rid].dropped}
+    step.dropped = {rid: state.dropped for rid, state in states.items() if state is not None and state.dropped}
     return step
-
-
-def free_tail(kv_cache_manager: Any, req_id: str, budget: int) -> None:
-    """Cut the request's block lists to `ceil(budget / block_size)` and give the rest back to the pool."""
-    for manager in kv_cache_manager.coordinator.single_type_managers:
-        blocks = manager.req_to_blocks.get(req_id)
-        keep = -(-budget // manager.block_size)
-        if not blocks or len(blocks) <= keep:
-            continue
-        tail = blocks[keep:]
-        del blocks[keep:]
-        if req_id in manager.num_cached_block:
-            manager.num_cached_block[req_id] = min(manager.num_cached_block[req_id], keep)
-        manager.block_pool.free_blocks(reversed(tail))
 
 
 @contextmanager
 def physical(request: Any) -> Iterator[None]:
     """While vLLM allocates blocks for `request`, its computed-token count is the physical one."""
     state = getattr(request, "vasepatch", None)
-    dropped = state.dropped if state is not None else 0
-    request.num_computed_tokens -= dropped
-    try:
+    with access.computed_less(request, state.dropped if state is not None else 0):
         yield
-    finally:
-        request.num_computed_tokens += dropped

@@ -23,6 +23,7 @@ import torch
 from vasepatch import policies
 from vasepatch.config import VaSEConfig
 from vasepatch.integration.vllm import compaction, paged_layout, settings
+from vasepatch.integration.vllm import engine_access as access
 from vasepatch.integration.vllm.query_rings import QueryRings
 from vasepatch.integration.vllm.scheduler_side import STEP_ATTR, Order, Step
 
@@ -46,10 +47,8 @@ class WorkerEviction:
 
     def settings_of(self, runner: Any, req_id: str) -> _Request | None:
         if req_id not in self.requests:
-            sp = runner.requests[req_id].sampling_params
-            config = None
-            if sp is not None:
-                config = settings.resolve(runner.vllm_config.additional_config, sp.extra_args, sp.seed)
+            given = access.runner_sampling(runner, req_id)
+            config = None if given is None else settings.resolve(access.engine_config(runner), *given)
             self.requests[req_id] = None if config is None else _Request(config, policies.for_config(config))
             if config is not None:
                 self.rings.assign(req_id, config.window)
@@ -68,57 +67,36 @@ class WorkerEviction:
             step = Step()
         self.dropped = step.dropped
         for req_id, order in step.orders.items():
-            if req_id in runner.requests:
+            if access.holds(runner, req_id):
                 self.evict(runner, req_id, order)
 
     def evict(self, runner: Any, req_id: str, order: Order) -> None:
         state = self.settings_of(runner, req_id)
-        group = runner.kv_cache_config.kv_cache_groups[0]
-        context = runner.compilation_config.static_forward_context
-        caches = [context[name].kv_cache for name in group.layer_names]
-        isa = getattr(context[group.layer_names[0]], "isa", None)
+        names, caches, isa, block_size = access.layer_caches(runner)
         if isa not in paged_layout.SUPPORTED_ISAS:  # checked when the engine started: never reached
             raise RuntimeError(f"vasepatch cannot evict from vLLM's {isa!r} cache layout")
-        req_state = runner.requests[req_id]
-        blocks = torch.tensor(req_state.block_ids[0], dtype=torch.int64)
+        blocks = access.request_blocks(runner, req_id)
         heads = caches[0].shape[1]
         positions = compaction.candidate_positions(state.kept, len(caches), heads, order.n, order.dropped)
-        queries = self.rings.queries(req_id, group.layer_names)
+        queries = self.rings.queries(req_id, names)
         state.kept = compaction.compact(
             caches, blocks, order.n, queries, positions, state.config, state.policy, order.round, self.head_offset
         )
-        keep = -(-state.config.budget // group.kv_cache_spec.block_size)
-        del req_state.block_ids[0][keep:]
-        row = runner.input_batch.req_id_to_index.get(req_id)
-        if row is not None:
-            table = runner.input_batch.block_table.block_tables[0]
-            table.block_table.np[row, keep : table.num_blocks_per_row[row]] = 0
-            table.num_blocks_per_row[row] = min(table.num_blocks_per_row[row], keep)
+        access.cut_blocks(runner, req_id, -(-state.config.budget // block_size))
         self.evictions += 1
 
     def after_prepare(self, runner: Any, num_scheduled_tokens: np.ndarray) -> None:
-        batch = runner.input_batch
-        n = batch.num_reqs
-        req_ids = batch.req_ids[:n]
-        starts = runner.query_start_loc.np[:n]
-        computed = batch.num_computed_tokens_cpu[:n]
-        evicting = [self.settings_of(runner, r) is not None for r in req_ids]
-        picked = [i for i in range(n) if evicting[i]]
+        req_ids, starts, computed = access.batch_rows(runner)
+        picked = [i for i, r in enumerate(req_ids) if self.settings_of(runner, r) is not None]
         self.rings.plan(
             [req_ids[i] for i in picked],
             [int(starts[i]) for i in picked],
             [int(num_scheduled_tokens[i]) for i in picked],
             [int(computed[i]) for i in picked],
         )
-        dropped = np.array([self.dropped.get(r, 0) for r in req_ids], dtype=np.int64)
-        if not dropped.any():
-            return
-        total = int(num_scheduled_tokens[:n].sum())
-        d = torch.from_numpy(dropped)
-        runner.seq_lens[:n] -= d.to(runner.seq_lens.device, runner.seq_lens.dtype)
-        per_token = d.to(runner.positions.device)[runner.req_indices.gpu[:total].long()]
-        physical = runner.positions[:total] - per_token
-        batch.block_table.compute_slot_mapping(n, runner.query_start_loc.gpu[: n + 1], physical)
+        dropped = [self.dropped.get(r, 0) for r in req_ids]
+        if any(dropped):
+            access.make_physical(runner, dropped, num_scheduled_tokens)
 
     def record(self, layer: str, query: torch.Tensor, num_tokens: int) -> None:
         self.rings.record(layer, query[:num_tokens])

@@ -1,0 +1,146 @@
+"""Every read and write of vLLM 0.32's private state, in one place: the scheduler's and the worker's halves
+of eviction (`scheduler_side`, `worker_side`) call these and hold no vLLM attribute names of their own.
+
+A port to another vLLM version, or to another attention backend, changes this module, the functions
+`patches` wraps, and the cache layout (`paged_layout`); the eviction logic stays as it is. The paths
+are vLLM 0.32's (shared/docs/vllm-0.32-map.md): `Scheduler`, `Request` and `KVCacheManager` in the
+EngineCore process; `GPUModelRunner` (the CPU runner's base), its `InputBatch` and block tables in the
+worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+# --- the engine's configuration (any process) --------------------------------------------------------------
+
+
+def attention_isa(vllm_config: Any) -> str:
+    """The cache layout vLLM's CPU attention will pick for this engine (`vec`, `vec16`, `amx`, ...)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    model = vllm_config.model_config
+    return _get_attn_isa(model.dtype, vllm_config.cache_config.block_size, model.get_head_size(), "auto")
+
+
+# --- the scheduler (EngineCore process) --------------------------------------------------------------------
+
+
+def running(scheduler: Any) -> list[Any]:
+    """The requests the scheduler runs (in its own order)."""
+    return list(scheduler.running)
+
+
+def engine_config(owner: Any) -> Any:
+    """`additional_config` of the engine a scheduler or a model runner belongs to."""
+    return owner.vllm_config.additional_config
+
+
+def request_id(request: Any) -> str:
+    return request.request_id
+
+
+def sampling(params: Any) -> tuple[Any, int | None] | None:
+    """A request's `(extra_args, seed)`, or None where it has no sampling parameters (pooling)."""
+    return None if params is None else (params.extra_args, params.seed)
+
+
+def request_sampling(request: Any) -> tuple[Any, int | None] | None:
+    return sampling(request.sampling_params)
+
+
+def decoding(request: Any) -> bool:
+    """Whether the request's prompt (or its recomputation after preemption) is done: every token but the
+    last sampled one has its KV."""
+    return request.num_output_tokens >= 1 and request.num_computed_tokens == request.num_tokens - 1
+
+
+def computed_tokens(request: Any) -> int:
+    """Tokens whose KV vLLM counts as written (logical: evicted ones included)."""
+    return request.num_computed_tokens
+
+
+@contextmanager
+def computed_less(request: Any, dropped: int) -> Iterator[None]:
+    """While vLLM does block math for `request`, it counts `dropped` fewer computed tokens."""
+    request.num_computed_tokens -= dropped
+    try:
+        yield
+    finally:
+        request.num_computed_tokens += dropped
+
+
+def free_tail(scheduler: Any, req_id: str, slots: int) -> None:
+    """Cut the request's block lists to `ceil(slots / block_size)` and give the rest back to the free pool."""
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        blocks = manager.req_to_blocks.get(req_id)
+        keep = -(-slots // manager.block_size)
+        if not blocks or len(blocks) <= keep:
+            continue
+        tail = blocks[keep:]
+        del blocks[keep:]
+        if req_id in manager.num_cached_block:
+            manager.num_cached_block[req_id] = min(manager.num_cached_block[req_id], keep)
+        manager.block_pool.free_blocks(reversed(tail))
+
+
+# --- the model runner (worker process) ----------------------------------------------------------------------
+
+
+def runner_sampling(runner: Any, req_id: str) -> tuple[Any, int | None] | None:
+    """`(extra_args, seed)` of a request the worker holds (vLLM keeps them until it finishes)."""
+    return sampling(runner.requests[req_id].sampling_params)
+
+
+def holds(runner: Any, req_id: str) -> bool:
+    return req_id in runner.requests
+
+
+def layer_caches(runner: Any) -> tuple[list[str], list[torch.Tensor], str | None, int]:
+    """The attention layers' names and paged caches (one KV cache group), the layout's ISA, the block size."""
+    group = runner.kv_cache_config.kv_cache_groups[0]
+    context = runner.compilation_config.static_forward_context
+    caches = [context[name].kv_cache for name in group.layer_names]
+    isa = getattr(context[group.layer_names[0]], "isa", None)
+    return list(group.layer_names), caches, isa, group.kv_cache_spec.block_size
+
+
+def request_blocks(runner: Any, req_id: str) -> torch.Tensor:
+    """The request's block ids (int64), in sequence order."""
+    return torch.tensor(runner.requests[req_id].block_ids[0], dtype=torch.int64)
+
+
+def cut_blocks(runner: Any, req_id: str, keep: int) -> None:
+    """The worker's copies of the request's block list (its state and its batch row) cut to `keep` blocks,
+    so that vLLM appends the next blocks after them."""
+    del runner.requests[req_id].block_ids[0][keep:]
+    row = runner.input_batch.req_id_to_index.get(req_id)
+    if row is not None:
+        table = runner.input_batch.block_table.block_tables[0]
+        table.block_table.np[row, keep : table.num_blocks_per_row[row]] = 0
+        table.num_blocks_per_row[row] = min(table.num_blocks_per_row[row], keep)
+
+
+def batch_rows(runner: Any) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """This step's batch: request ids by row, each row's first token in the flattened batch, and each row's
+    computed-token count before the step (logical)."""
+    batch = runner.input_batch
+    n = batch.num_reqs
+    return list(batch.req_ids[:n]), runner.query_start_loc.np[:n], batch.num_computed_tokens_cpu[:n]
+
+
+def make_physical(runner: Any, dropped: Sequence[int], num_scheduled_tokens: np.ndarray) -> None:
+    """Attention reads physical slots: each row's `seq_lens` less its `dropped`, and the slot mapping
+    recomputed from `positions - dropped`. RoPE positions and token ids stay logical."""
+    n = len(dropped)
+    total = int(num_scheduled_tokens[:n].sum())
+    d = torch.as_tensor(np.asarray(dropped, dtype=np.int64))
+    runner.seq_lens[:n] -= d.to(runner.seq_lens.device, runner.seq_lens.dtype)
+    per_token = d.to(runner.positions.device)[runner.req_indices.gpu[:total].long()]
+    physical = runner.positions[:total] - per_token
+    runner.input_batch.block_table.compute_slot_mapping(n, runner.query_start_loc.gpu[: n + 1], physical)
