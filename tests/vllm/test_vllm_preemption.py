@@ -1,6 +1,10 @@
-"""A pool too small for every request: vLLM preempts running requests, evicting ones included, after they
-have evicted; each is recomputed, its whole sequence compressed again as a prompt. Every request finishes
-with all its tokens, every block comes back to the pool, and the worker keeps no state of a finished one."""
+"""Pools too small for every request: vLLM preempts running requests and later recomputes them.
+
+- Six requests growing together: the preemptions hit requests before their first eviction (and the
+  full-cache one); every request finishes with all its tokens and every block comes back.
+- A full-cache request that arrived first outgrows the pool: the evicting requests behind it are preempted
+  long after their first eviction, and recomputed from their whole sequence, in chunks and seeded.
+"""
 
 from __future__ import annotations
 
@@ -34,3 +38,34 @@ def test_preempted_requests_start_over_and_every_block_comes_back(smollm2_path):
     assert metrics["vllm:kv_cache_usage_perc"] == 0.0
     assert state["evictions"] >= 5 * ((64 + NEW - BUDGET) // WINDOW)  # every evicting request evicted, again and again
     assert state["requests"] == 0  # nothing kept of finished requests
+
+
+@pytest.mark.timeout(900)
+def test_seeded_requests_preempted_after_evicting_are_recomputed_in_chunks(smollm2_path, capfd):
+    """A full-cache request that arrived first outgrows the pool, so vLLM preempts the evicting requests
+    that arrived after it, long after their first eviction (they evict every 32 tokens from the 96th slot).
+    Each is recomputed later from its whole sequence, in chunks of at most 256 tokens, with its sampling
+    seed: it finishes with all its tokens, and every block comes back."""
+    full_new, evicting_new, prompt_len = 1150, 1000, 64  # the full request ends at 1,214 tokens: 38 of 40 blocks
+    prompts = [[1 + (5 * i + 3 * j) % 500 for j in range(prompt_len)] for i in range(4)]
+    asks = {"vasepatch_budget": 64, "vasepatch_window": 32, "vasepatch_policy": "vase"}  # 3 blocks each
+    params = [SamplingParams(max_tokens=full_new, min_tokens=full_new, temperature=0.8, seed=0)]
+    params += [
+        SamplingParams(max_tokens=evicting_new, min_tokens=evicting_new, temperature=0.8, seed=i, extra_args=asks)
+        for i in (1, 2, 3)
+    ]
+    with engine(
+        smollm2_path, num_gpu_blocks_override=POOL_BLOCKS, max_model_len=1280, max_num_batched_tokens=256,
+        disable_log_stats=False,
+    ) as llm:  # fmt: skip
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        state = llm.collective_rpc(worker_state)[0]
+    log = capfd.readouterr()
+    preempted = [line for line in (log.out + log.err).splitlines() if "preempted after" in line]
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [full_new] + [evicting_new] * 3
+    assert metrics["vllm:num_preemptions"] > 0 and preempted, "no evicting request was preempted"
+    assert all("recomputed from its whole sequence" in line for line in preempted)
+    assert metrics["vllm:kv_cache_usage_perc"] == 0.0
+    assert (state["requests"], state["ring_bytes"]) == (0, 0)
+    assert state["generators_restored"] >= 3  # the recomputes were chunked: 4 chunks or more each

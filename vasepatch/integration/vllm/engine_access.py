@@ -144,3 +144,24 @@ def make_physical(runner: Any, dropped: Sequence[int], num_scheduled_tokens: np.
     per_token = d.to(runner.positions.device)[runner.req_indices.gpu[:total].long()]
     physical = runner.positions[:total] - per_token
     runner.input_batch.block_table.compute_slot_mapping(n, runner.query_start_loc.gpu[: n + 1], physical)
+
+
+def discarded_generators(runner: Any) -> dict[int, torch.Generator]:
+    """The seeded CPU generators of this step's rows whose sampled token vLLM discards (a prefill chunk that
+    is not the prompt's last), by batch row."""
+    batch = runner.input_batch
+    rows = np.nonzero(runner.discard_request_mask.np[: batch.num_reqs])[0]
+    found = {int(i): batch.generators.get(int(i)) for i in rows}
+    return {i: g for i, g in found.items() if g is not None and g.device.type == "cpu"}
+
+
+@contextmanager
+def generators_hidden(runner: Any, rows: Sequence[int]) -> Iterator[None]:
+    """While vLLM's bookkeeping runs, the batch's generators of `rows` are out of its sight."""
+    batch = runner.input_batch
+    every = batch.generators
+    batch.generators = {i: g for i, g in every.items() if i not in set(rows)}
+    try:
+        yield
+    finally:
+        batch.generators = every

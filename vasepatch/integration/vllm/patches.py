@@ -2,7 +2,7 @@
 
 vLLM has no extension point for a request whose slot count falls while its positions keep counting,
 for giving a running request's tail blocks back, or for per-request side buffers of an attention
-backend (docs/vllm.md, "What is patched"). So the plugin wraps nine functions of the pinned version,
+backend (docs/vllm.md, "What is patched"). So the plugin wraps eleven functions of the pinned version,
 each wrapper calling the original:
 
 | vLLM function | process | the wrapper |
@@ -15,6 +15,8 @@ each wrapper calling the original:
 | `GPUModelRunner._update_states` | worker | carry out the orders before new blocks are appended |
 | `GPUModelRunner._prepare_inputs` | worker | physical `seq_lens` and slot mapping; plan the query rings |
 | `GPUModelRunner._on_request_state_removed` | worker | free a finished request's side state |
+| `GPUModelRunner._sample` | worker | a discarded sample leaves a seeded CPU generator as it was |
+| `GPUModelRunner._bookkeeping_sync` | worker | ... instead of vLLM's offset rewind, which CPU generators lack |
 | `CPUAttentionBackendImpl.forward` | worker | record the queries (after RoPE) |
 
 `install()` is idempotent. On any other vLLM version it wraps none of these: the plugin is inert there,
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vasepatch.integration.vllm import LOG, inactive, requirements, scheduler_side, settings
+from vasepatch.integration.vllm import engine_access as access
 from vasepatch.integration.vllm.worker_side import WorkerEviction
 
 VLLM_VERSION = "0.32.0"
@@ -119,6 +122,14 @@ def _patch_scheduler() -> None:
         def wrapper(self, request, *args, **kwargs):
             original(self, request, *args, **kwargs)
             state = getattr(request, "vasepatch", None)
+            if state is not None and state.dropped:
+                LOG.info(
+                    "vasepatch: request %s preempted after %d evictions (%d positions dropped): it is recomputed "
+                    "from its whole sequence",
+                    access.request_id(request),
+                    state.rounds,
+                    state.dropped,
+                )
             if state is not None:
                 state.reset()
 
@@ -186,6 +197,27 @@ def _patch_runner() -> None:
 
         return wrapper
 
+    def sample(original):
+        def wrapper(self, *args, **kwargs):
+            saved = {i: g.get_state() for i, g in access.discarded_generators(self).items()}
+            _worker(self).generators_restored += len(saved)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                for i, state in saved.items():
+                    self.input_batch.generators[i].set_state(state)
+
+        return wrapper
+
+    def bookkeeping(original):
+        def wrapper(self, *args, **kwargs):
+            with access.generators_hidden(self, list(access.discarded_generators(self))):
+                return original(self, *args, **kwargs)
+
+        return wrapper
+
+    _wrap(GPUModelRunner, "_sample", sample)
+    _wrap(GPUModelRunner, "_bookkeeping_sync", bookkeeping)
     _wrap(GPUModelRunner, "_update_states", update_states)
     _wrap(GPUModelRunner, "_prepare_inputs", prepare_inputs)
     _wrap(GPUModelRunner, "_on_request_state_removed", removed)

@@ -44,6 +44,7 @@ class WorkerEviction:
         self.requests: dict[str, _Request | None] = {}  # None: the request runs with the full cache
         self.dropped: dict[str, int] = {}
         self.evictions = 0
+        self.generators_restored = 0  # seeded generators put back after a discarded sample (`patches`)
 
     def settings_of(self, runner: Any, req_id: str) -> _Request | None:
         if req_id not in self.requests:
