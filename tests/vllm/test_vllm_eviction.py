@@ -69,12 +69,14 @@ def test_tokens_equal_the_transformers_cache(llm, smollm2_path, prompt, policy, 
 @pytest.mark.timeout(600)
 def test_a_budget_off_the_block_size_evicting_with_the_sampling_seed(llm, smollm2_path, prompt):
     """Budget 100 with 32-slot blocks (the last kept block part-filled), window 24, and no `vasepatch_seed`:
-    the worker evicts with the request's sampling seed, as the transformers cache does with that seed."""
-    want = transformers_tokens(smollm2_path, prompt, budget=100, window=24, policy="vase", seed=7)
-    asks = {"vasepatch_budget": 100, "vasepatch_window": 24}
+    the worker evicts with the request's sampling seed, as the transformers cache does with that seed. The
+    `random` policy, whose kept sets are all seed, makes the seed show in the tokens."""
+    settings = dict(budget=100, window=24, policy="random")
+    want = transformers_tokens(smollm2_path, prompt, seed=7, **settings)
+    asks = {"vasepatch_budget": 100, "vasepatch_window": 24, "vasepatch_policy": "random"}
     params = SamplingParams(max_tokens=NEW, min_tokens=NEW, temperature=0, seed=7, extra_args=asks)
     assert vllm_tokens(llm, [prompt], params)[0] == want
-    other_seed = transformers_tokens(smollm2_path, prompt, budget=100, window=24, policy="vase", seed=8)
+    other_seed = transformers_tokens(smollm2_path, prompt, seed=8, **settings)
     assert other_seed != want  # the seed changes the kept sets: the comparison above is not vacuous
 
 

@@ -46,7 +46,7 @@ def test_seeded_requests_preempted_after_evicting_are_recomputed_in_chunks(smoll
     that arrived after it, long after their first eviction (they evict every 32 tokens from the 96th slot).
     Each is recomputed later from its whole sequence, in chunks of at most 256 tokens, with its sampling
     seed: it finishes with all its tokens, and every block comes back."""
-    full_new, evicting_new, prompt_len = 1150, 1000, 64  # the full request ends at 1,214 tokens: 38 of 40 blocks
+    full_new, evicting_new, prompt_len = 1150, 1000, 64  # the full request ends at 1,214 tokens: 38 of 39 blocks
     prompts = [[1 + (5 * i + 3 * j) % 500 for j in range(prompt_len)] for i in range(4)]
     asks = {"vasepatch_budget": 64, "vasepatch_window": 32, "vasepatch_policy": "vase"}  # 3 blocks each
     params = [SamplingParams(max_tokens=full_new, min_tokens=full_new, temperature=0.8, seed=0)]
@@ -55,7 +55,7 @@ def test_seeded_requests_preempted_after_evicting_are_recomputed_in_chunks(smoll
         for i in (1, 2, 3)
     ]
     with engine(
-        smollm2_path, num_gpu_blocks_override=POOL_BLOCKS, max_model_len=1280, max_num_batched_tokens=256,
+        smollm2_path, num_gpu_blocks_override=POOL_BLOCKS, max_model_len=1248, max_num_batched_tokens=256,
         disable_log_stats=False,
     ) as llm:  # fmt: skip
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
