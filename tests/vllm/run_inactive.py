@@ -3,10 +3,10 @@ the last line of stdout (`test_vllm_guards.py`).
 
     python tests/vllm/run_inactive.py MODEL_PATH
 
-The version is faked when this module is imported, before vLLM loads its plugins. vLLM's CPU build starts
-its worker with `spawn`, which imports this module again in the new process (as `__mp_main__`) before the
-worker loads its plugins, so the worker sees the faked version too; the engine core runs in this process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set by the test).
+The version is faked when this module is imported, before vLLM loads its plugins. The test runs it with
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`, under which vLLM's CPU build runs the engine core and the worker in
+this one process, so the faked version is the one every part of the engine sees, and the scheduler's,
+block manager's, model runner's and attention backend's functions can be inspected here.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from tests.vllm.engines import ENGINE_DEFAULTS, engine
@@ -46,7 +47,7 @@ def main() -> None:
     with engine(model) as llm:  # no VaSE settings: vLLM's own engine
         prompt = [TokensPrompt(prompt_token_ids=list(range(1, 40)))]
         found["tokens"] = list(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
-        found["scheduler_patched"] = vasepatch_wrapped(Scheduler)
+        found["scheduler_patched"] = vasepatch_wrapped(Scheduler) + vasepatch_wrapped(KVCacheManager)
         found["worker_patched"] = llm.collective_rpc(patched_in_worker)[0]
         try:
             asks = SamplingParams(max_tokens=4, extra_args={"vasepatch_budget": 16})

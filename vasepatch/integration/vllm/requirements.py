@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from vasepatch.integration.vllm import LOG, paged_layout, settings
 from vasepatch.integration.vllm import engine_access as access
-from vasepatch.integration.vllm import paged_layout, settings
 
 
 def problems(vllm_config: Any) -> list[str]:
@@ -73,10 +73,14 @@ def _layout_problems(vllm_config: Any) -> list[str]:
     return []
 
 
+ALIBI_ARCHITECTURES = {"Step1ForCausalLM", "BaichuanForCausalLM"}  # always ALiBi (Baichuan's 7B: BaiChuan...)
+
+
 def uses_alibi(hf_config: Any) -> bool:
     """Whether a model's attention adds an ALiBi bias, read from its Hugging Face config as vLLM's models
-    read it: BLOOM always; MPT's `attn_config.alibi`; Falcon's `alibi`; JAIS's `position_embedding_type`;
-    Baichuan-13B (the `BaichuanForCausalLM` architecture, whose 7B sibling is `BaiChuanForCausalLM`)."""
+    read it: BLOOM always; Falcon's `alibi`; Step1 always. Also MPT's `attn_config.alibi`, JAIS's
+    `position_embedding_type` and Baichuan-13B, which vLLM 0.32 no longer serves but an engine may. The
+    worker checks the attention layers themselves before its first eviction, for a model this misses."""
     if getattr(hf_config, "model_type", None) == "bloom" or getattr(hf_config, "alibi", False) is True:
         return True
     attn = getattr(hf_config, "attn_config", None)
@@ -84,7 +88,7 @@ def uses_alibi(hf_config: Any) -> bool:
         return True
     if getattr(hf_config, "position_embedding_type", None) == "alibi":
         return True
-    return "BaichuanForCausalLM" in (getattr(hf_config, "architectures", None) or [])
+    return bool(ALIBI_ARCHITECTURES & set(getattr(hf_config, "architectures", None) or []))
 
 
 def config_problems(vllm_config: Any, config: Any) -> list[str]:
@@ -113,13 +117,13 @@ def check_engine(vllm_config: Any) -> None:
             f"{exc.parameter}: {exc}{_defaults_named(str(exc), additional)}", exc.parameter
         ) from None
     limits(vllm_config)  # the operator's caps, checked whether or not the engine evicts by default
-    if not settings.engine_settings(additional):
+    if config is None:  # no defaults, or policy "full": checked when a request asks for eviction
         return
-    found = problems(vllm_config) + ([] if config is None else config_problems(vllm_config, config))
+    found = problems(vllm_config) + config_problems(vllm_config, config)
     if found:
         raise settings.SettingsError(
             "additional_config['vasepatch'] asks for eviction, which this engine cannot do: " + "; ".join(found),
-            f"additional_config[{settings.ENGINE_KEY!r}]",
+            settings.ENGINE_WHERE,
         )
 
 
@@ -147,8 +151,8 @@ def check_request(vllm_config: Any, params: Any) -> None:
     if config is None:
         return
     found = config_problems(vllm_config, config)
-    if not settings.engine_settings(vllm_config.additional_config):
-        found = problems(vllm_config) + found  # an engine with settings of its own was checked when it started
+    if settings.resolve(vllm_config.additional_config, None, None) is None:  # else checked when it started
+        found = problems(vllm_config) + found
     if found:
         raise settings.SettingsError(
             "this request asks for eviction, which this engine cannot do: " + "; ".join(found),
@@ -165,20 +169,30 @@ def query_bytes(vllm_config: Any) -> int:
 
 
 def active_line(vllm_config: Any) -> str:
-    """The one log line that says the plugin is active, with the engine's settings and caps."""
+    """The one log line that says the plugin is active, with the engine's settings, caps and ring sizes, and
+    what rules out eviction on this engine, if anything does."""
     import vllm
 
     own = settings.engine_settings(vllm_config.additional_config)
     caps = limits(vllm_config)
-    per_token = query_bytes(vllm_config)
+    per_token, seqs = query_bytes(vllm_config), vllm_config.scheduler_config.max_num_seqs
     evicts = f"engine settings {own}" if own else "no engine settings (requests opt in with vasepatch_* keys)"
-    asks = (
-        "no per-request settings"
-        if not caps.requests_allowed
-        else (f"requests capped at budget {caps.budget}, window {caps.window}")
-    )
+    asks = f"requests capped at budget {caps.budget}, window {caps.window}"
+    if not caps.requests_allowed:
+        asks = "no per-request settings"
+    found = problems(vllm_config)
+    refused = f"; requests asking for eviction are refused here: {'; '.join(found)}" if found else ""
     return (
         f"vasepatch VaSE plugin active on vLLM {vllm.__version__}: {evicts}; {asks}; query rings "
         f"{per_token / 2**10:.1f} KiB per window token of an evicting request, at most "
-        f"{caps.window * per_token / 2**20:.1f} MiB per request at the window cap, per rank"
+        f"{caps.window * per_token / 2**20:.1f} MiB per request at the window cap and "
+        f"{seqs * caps.window * per_token / 2**30:.2f} GiB for max_num_seqs={seqs} such requests, per rank{refused}"
     )
+
+
+def log_active(vllm_config: Any) -> None:
+    """Log `active_line`; a line that cannot be made never stops an engine."""
+    try:
+        LOG.info("%s", active_line(vllm_config))
+    except Exception as exc:  # a log line only
+        LOG.warning("vasepatch VaSE plugin active; its settings line failed: %r", exc)

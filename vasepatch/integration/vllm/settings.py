@@ -113,15 +113,20 @@ class Limits:
                 )
 
 
+def _int_or_zero(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def engine_limits(additional_config: Mapping[str, Any] | None, max_model_len: int) -> Limits:
     """The engine's `Limits`: `max_request_budget` (default `max_model_len`), `max_request_window` (default
     the smaller of `DEFAULT_MAX_WINDOW` and `max_model_len`) and `request_settings` (default true). The
     defaults never fall below the engine's own budget and window."""
     raw = _engine_raw(additional_config)
     own = engine_settings(additional_config)
+    budget, window = (_int_or_zero(own.get(k)) for k in ("budget", "window"))  # bad ones are VaSEConfig's to refuse
     defaults = {
-        "max_request_budget": max(max_model_len, own.get("budget", 0)),
-        "max_request_window": max(min(DEFAULT_MAX_WINDOW, max_model_len), own.get("window", 0)),
+        "max_request_budget": max(max_model_len, budget),
+        "max_request_window": max(min(DEFAULT_MAX_WINDOW, max_model_len), window),
         "request_settings": True,
     }
     values = {**defaults, **{k: raw[k] for k in LIMIT_FIELDS if k in raw}}
@@ -168,8 +173,7 @@ def resolve(
         return None
     if "budget" not in merged:
         raise SettingsError(
-            f"a request that evicts must set {REQUEST_PREFIX}budget (this engine has no "
-            f"additional_config[{ENGINE_KEY!r}] defaults)",
+            f"a request that evicts must set {REQUEST_PREFIX}budget (this engine has no {ENGINE_WHERE} defaults)",
             REQUEST_PREFIX + "budget",
         )
     if merged.get("seed") is None:
@@ -195,5 +199,5 @@ def _blame(message: str, own: Mapping[str, Any], engine: Mapping[str, Any]) -> s
         if name in own:
             return REQUEST_PREFIX + name
         if name in engine:
-            return f"additional_config[{ENGINE_KEY!r}][{name!r}]"
-    return REQUEST_PREFIX + (named[0] if named else "budget") if own else f"additional_config[{ENGINE_KEY!r}]"
+            return f"{ENGINE_WHERE}[{name!r}]"
+    return REQUEST_PREFIX + (named[0] if named else "budget") if own else ENGINE_WHERE

@@ -76,6 +76,8 @@ class WorkerEviction:
         names, caches, isa, block_size = access.layer_caches(runner)
         if isa not in paged_layout.SUPPORTED_ISAS:  # checked when the engine started: never reached
             raise RuntimeError(f"vasepatch cannot evict from vLLM's {isa!r} cache layout")
+        if self.evictions == 0 and access.alibi_layers(runner):  # refused by config first; a model it missed
+            raise RuntimeError("vasepatch cannot evict from a model with an ALiBi bias (slot positions move)")
         blocks = access.request_blocks(runner, req_id)
         heads = caches[0].shape[1]
         positions = compaction.candidate_positions(state.kept, len(caches), heads, order.n, order.dropped)
