@@ -1,7 +1,7 @@
 """vLLM with its version faked to one the plugin was not written for: what the plugin does there, as JSON on
 the last line of stdout (`test_vllm_guards.py`).
 
-    python tests/vllm/run_inactive.py MODEL_PATH
+    PYTHONPATH=. VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/vllm/run_inactive.py MODEL_PATH
 
 The version is faked when this module is imported, before vLLM loads its plugins. The test runs it with
 `VLLM_ENABLE_V1_MULTIPROCESSING=0`, under which vLLM's CPU build runs the engine core and the worker in

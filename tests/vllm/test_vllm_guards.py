@@ -103,3 +103,16 @@ def test_query_rings_follow_the_requests_in_flight(smollm2_path):
         too_wide = {"vasepatch_budget": 40_000, "vasepatch_window": 20_001}
         with pytest.raises(VLLMValidationError, match="vasepatch_window=20001 is over this engine's cap of 20000"):
             llm.generate(prompt, SamplingParams(max_tokens=2, extra_args=too_wide), use_tqdm=False)
+
+
+def test_the_info_line_says_what_the_engine_will_do(smollm2_path):
+    from vasepatch.integration.vllm import requirements
+
+    line = requirements.active_line(_engine_config(smollm2_path, {"budget": 64, "window": 16}))
+    assert "engine settings {'budget': 64, 'window': 16}; requests capped at budget 4096, window 512" in line
+    assert "67.5 KiB per window token" in line and "refused here" not in line
+    line = requirements.active_line(_engine_config(smollm2_path, {}, enable_prefix_caching=True))
+    assert line.endswith("requests asking for eviction are refused here: prefix caching is on: pass "
+                         "enable_prefix_caching=False (--no-enable-prefix-caching)")  # fmt: skip
+    line = requirements.active_line(_engine_config(smollm2_path, {"request_settings": False}))
+    assert "this engine never evicts" in line and "'request_settings' true" in line

@@ -176,6 +176,11 @@ def active_line(vllm_config: Any) -> str:
     own = settings.engine_settings(vllm_config.additional_config)
     caps = limits(vllm_config)
     per_token, seqs = query_bytes(vllm_config), vllm_config.scheduler_config.max_num_seqs
+    if settings.resolve(vllm_config.additional_config, None, None) is None and not caps.requests_allowed:
+        return (
+            f"vasepatch VaSE plugin active on vLLM {vllm.__version__}, but this engine never evicts: no engine "
+            f"budget and no per-request settings; set {settings.ENGINE_WHERE}['budget'], or 'request_settings' true"
+        )
     evicts = f"engine settings {own}" if own else "no engine settings (requests opt in with vasepatch_* keys)"
     asks = f"requests capped at budget {caps.budget}, window {caps.window}"
     if not caps.requests_allowed:
