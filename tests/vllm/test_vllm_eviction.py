@@ -100,6 +100,22 @@ def test_a_request_gives_the_same_sample_alone_and_in_a_batch_of_eight(llm, prom
     assert vllm_tokens(llm, [prompt], params)[0] == alone  # and run after run
 
 
+@pytest.mark.timeout(600)
+def test_n_samples_evict_as_separate_requests_with_consecutive_seeds(llm, prompt):
+    """vLLM splits a request with `n` samples into `n` requests, sample `i` seeded `seed + i`: each evicts on
+    its own, with that seed, as a separate request does."""
+    params = SamplingParams(n=3, max_tokens=NEW, min_tokens=NEW, temperature=0.8, seed=11, extra_args=evicting("vase"))
+    (together,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    samples = sorted(list(o.token_ids) for o in together.outputs)
+    alone = [
+        vllm_tokens(llm, [prompt], SamplingParams(max_tokens=NEW, min_tokens=NEW, temperature=0.8, seed=11 + i,
+                                                  extra_args=evicting("vase")))[0]
+        for i in range(3)
+    ]  # fmt: skip
+    assert samples == sorted(alone)
+    assert len({tuple(s) for s in samples}) == 3  # three different samples: the seeds differ
+
+
 def kv_usage(llm) -> float:
     return next(m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc")
 
