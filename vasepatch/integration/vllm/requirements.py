@@ -111,7 +111,7 @@ def check_engine(vllm_config: Any) -> None:
     """The engine's own settings (`additional_config["vasepatch"]`) and, when it has some, the engine."""
     additional = vllm_config.additional_config
     try:
-        config = settings.resolve(additional, None, None)  # every value, as VaSEConfig checks it
+        config = engine_default(vllm_config)  # every value, as VaSEConfig checks it
     except settings.SettingsError as exc:
         raise settings.SettingsError(
             f"{exc.parameter}: {exc}{_defaults_named(str(exc), additional)}", exc.parameter
@@ -125,6 +125,12 @@ def check_engine(vllm_config: Any) -> None:
             "additional_config['vasepatch'] asks for eviction, which this engine cannot do: " + "; ".join(found),
             settings.ENGINE_WHERE,
         )
+
+
+def engine_default(vllm_config: Any) -> Any:
+    """The `VaSEConfig` a request of this engine evicts with when it sets nothing itself; None when the engine
+    does not evict by default (no settings, or policy "full")."""
+    return settings.resolve(vllm_config.additional_config, None, None)
 
 
 def limits(vllm_config: Any) -> settings.Limits:
@@ -151,7 +157,7 @@ def check_request(vllm_config: Any, params: Any) -> None:
     if config is None:
         return
     found = config_problems(vllm_config, config)
-    if settings.resolve(vllm_config.additional_config, None, None) is None:  # else checked when it started
+    if engine_default(vllm_config) is None:  # else the engine was checked when it started
         found = problems(vllm_config) + found
     if found:
         raise settings.SettingsError(
@@ -176,7 +182,7 @@ def active_line(vllm_config: Any) -> str:
     own = settings.engine_settings(vllm_config.additional_config)
     caps = limits(vllm_config)
     per_token, seqs = query_bytes(vllm_config), vllm_config.scheduler_config.max_num_seqs
-    if settings.resolve(vllm_config.additional_config, None, None) is None and not caps.requests_allowed:
+    if engine_default(vllm_config) is None and not caps.requests_allowed:
         return (
             f"vasepatch VaSE plugin active on vLLM {vllm.__version__}, but this engine never evicts: no engine "
             f"budget and no per-request settings; set {settings.ENGINE_WHERE}['budget'], or 'request_settings' true"
