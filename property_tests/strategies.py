@@ -104,7 +104,7 @@ class CacheCase:
     seed: int
     sample: bool
     policy: str
-    prefill: str  # "compress" (default) or "keep"
+    prefill: str  # "compress" (default), "keep" or "pin"
     chunk: int | None  # prefill chunk size (None: the whole prompt in one step); compress only
 
 
@@ -143,6 +143,6 @@ def cache_cases(draw, max_budget: int = 24) -> CacheCase:
         seed=draw(st.integers(0, 2**31 - 1)),
         sample=draw(st.booleans()),
         policy=draw(st.sampled_from(evicting_policies())),
-        prefill=(prefill := draw(st.sampled_from(["compress", "keep"]))),
-        chunk=None if prefill == "keep" else draw(st.none() | st.integers(1, width)),
+        prefill=(prefill := draw(st.sampled_from(["compress", "keep", "pin"]))),
+        chunk=None if prefill != "compress" else draw(st.none() | st.integers(1, width)),
     )

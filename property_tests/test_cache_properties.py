@@ -117,14 +117,15 @@ def _eviction(case: CacheCase, layer: VaSELayer, call, appended: list[list[int]]
     cand_pos, cand_valid, cand_ranges = call
     b, h, w = case.batch, case.kv_heads, case.window
     window = torch.tensor([row[-w:] for row in appended]).view(b, 1, w).expand(b, h, w)
-    bud = case.budget
+    start, bud = layer.pinned, case.budget  # what the eviction wrote: the slots past a pinned prompt
+    end = start + bud
     return Eviction(
         torch.cat([cand_pos, window], -1),
         torch.cat([cand_valid, window >= 0], -1),
         torch.cat([cand_ranges, torch.zeros(b, h, w)], -1),
         cand_pos.shape[-1] + w,
-        layer.positions[:, :, :bud].clone(),
-        layer.valid[:, :, :bud].clone(),
+        layer.positions[:, :, start:end].clone(),
+        layer.valid[:, :, start:end].clone(),
     )
 
 

@@ -74,7 +74,7 @@ class CacheMachine(RuleBasedStateMachine):
         budget=st.integers(3, 16),
         data=st.data(),
         policy=st.sampled_from([*policies.available(), FULL]),
-        prefill=st.sampled_from(["compress", "keep"]),
+        prefill=st.sampled_from(["compress", "keep", "pin"]),
         batch=st.integers(1, 3),
         kv_heads=st.integers(1, 2),
         groups=st.integers(1, 2),
@@ -103,6 +103,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.rows = [Row() for _ in range(self.b)]
         self.evicted_since_reset = False
         self.tokens = self.rounds = self.dropped = 0  # what the layer's counters must say
+        self.pinned, self.pinned_real = 0, [0] * self.b  # prefill="pin": the prompt's slots, its real tokens by row
 
     @property
     def started(self) -> bool:
@@ -135,8 +136,8 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.started)
     @rule(n=st.integers(2, 40))
     def multi_token(self, n):
-        """Several tokens at once (a continuation); with `prefill="keep"` at most as many as fit."""
-        if self.cfg.prefill == "keep" and self.cfg.policy != FULL:
+        """Several tokens at once (a continuation); with `prefill="keep"` or `"pin"` at most as many as fit."""
+        if self.cfg.prefill in ("keep", "pin") and self.cfg.policy != FULL:
             n = max(1, min(n, self.layer.tokens_until_eviction()))
         self._step(torch.ones(self.b, n, dtype=torch.long), n)
 
@@ -145,6 +146,7 @@ class CacheMachine(RuleBasedStateMachine):
         idx = perm.draw(st.lists(st.integers(0, self.b - 1), min_size=self.b, max_size=self.b), label="beam_idx")
         self.layer.reorder_cache(torch.tensor(idx))
         self.rows = [self.rows[i].copy() for i in idx]
+        self.pinned_real = [self.pinned_real[i] for i in idx]
 
     @rule()
     def reset(self):
@@ -167,6 +169,8 @@ class CacheMachine(RuleBasedStateMachine):
         q = torch.randn(b, hq, q_len, d, generator=self.g)
         before = self._held()
         occupancy = self.layer.counters.occupancy + q_len if self.layer.is_initialized else q_len
+        if self.tokens == 0 and self.cfg.prefill == "pin":
+            self.pinned, self.pinned_real = q_len, mask.sum(-1).tolist()
         self.tokens += q_len
         new_pos = []
         for row, shadow in zip(range(b), self.rows, strict=True):
@@ -185,7 +189,7 @@ class CacheMachine(RuleBasedStateMachine):
         if evicted:
             self.evictions += 1
             self.evicted_since_reset = True
-            self.rounds, self.dropped = self.rounds + 1, self.dropped + occupancy - self.cfg.budget
+            self.rounds, self.dropped = self.rounds + 1, self.dropped + occupancy - self.pinned - self.cfg.budget
             self._check_eviction()
             for shadow in self.rows:
                 shadow.tail = shadow.tail[-self.cfg.window :]
@@ -224,7 +228,8 @@ class CacheMachine(RuleBasedStateMachine):
             for hk in range(self.h):
                 have = set(held[r][hk])
                 valid = cand_valid[r, hk]
-                assert len(have) == min(n_keep, int(valid.sum())) + window_real
+                assert len(have) == self.pinned_real[r] + min(n_keep, int(valid.sum())) + window_real
+                assert all(p in have for p in range(self.pinned_real[r]))  # the pinned prompt, never evicted
                 if cfg.policy in RANGE_PROTECTORS:
                     pos, rng = cand_pos[r, hk], ranges[r, hk]
                     sink = valid & (pos < cfg.sinks)
@@ -251,6 +256,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert (c.tokens_seen, c.evictions, c.evicted) == (self.tokens, self.rounds, self.dropped)
         if cfg.prefill == "compress" and cfg.policy != FULL:
             assert layer.capacity == cfg.budget + cfg.window
+        if cfg.prefill == "pin" and cfg.policy != FULL:  # the prompt, then at most budget + window generated
+            assert layer.pinned == self.pinned and occ <= self.pinned + cfg.budget + cfg.window
         assert not layer.valid[:, :, occ:].any()
         assert layer.next_position.tolist() == [row.next_pos for row in self.rows]
         for r, shadow in enumerate(self.rows):

@@ -86,6 +86,7 @@ class ReferenceCache:
         self.seed, self.rounds = seed, 0
         self.prefilled = False
         self.evicted = 0
+        self.pinned = 0  # leading entries no eviction touches (the prompt, with prefill="pin")
 
     def step(self, k, v, q, padding=None):
         batch, kv_heads, q_len, _ = k.shape
@@ -104,16 +105,18 @@ class ReferenceCache:
         first = not self.prefilled
         self.prefilled = True
         occupancy = len(self.entries[0][0])
-        over = occupancy - self.budget
+        if first and self.prefill == "pin":
+            self.pinned = occupancy
+        over = occupancy - self.pinned - self.budget
         if over <= 0 or (first and self.prefill == "keep") or (not first and over % self.window):
             return False
-        draws = self._draws(batch, kv_heads, occupancy - self.window, k.shape[-1])
+        draws = self._draws(batch, kv_heads, occupancy - self.pinned - self.window, k.shape[-1])
         for b in range(batch):
             for h in range(kv_heads):
-                self.entries[b][h] = self._evict(
+                self.entries[b][h] = self.entries[b][h][: self.pinned] + self._evict(
                     b, h, {name: d[b, h] if d.dim() == 3 else d for name, d in draws.items()}
                 )
-        self.evicted += occupancy - self.budget
+        self.evicted += over
         return True
 
     def _draws(self, batch, kv_heads, n_cand, dim) -> dict[str, torch.Tensor]:
@@ -137,7 +140,7 @@ class ReferenceCache:
         return draws
 
     def _evict(self, b, h, draws):
-        entries = self.entries[b][h]
+        entries = self.entries[b][h][self.pinned :]
         n_cand = len(entries) - self.window
         cand, recent = entries[:n_cand], entries[n_cand:]
         priority = self._priority(b, h, cand, draws)

@@ -124,3 +124,38 @@ def test_full_mode_never_evicts_and_grows_like_a_dynamic_cache():
     assert layer.positions[0, 0, :36].tolist() == list(range(36))
     assert layer.counters.kv_bytes == layer.keys.nbytes * 2
     assert torch.equal(layer.keys[:, :, :6], k)
+
+
+def test_prefill_pin_never_moves_the_prompt_and_bounds_what_is_generated():
+    """`prefill="pin"`: the buffer is `prompt + budget + window` slots; the prompt's slots are never written
+    again (bit for bit, through every eviction); the schedule runs on the generated tokens alone, which
+    come back to `budget` at each eviction."""
+    layer = _layer(budget=8, window=2, sinks=2, prefill="pin")
+    g = torch.Generator().manual_seed(0)
+    prompt = 13
+    step(layer, _rand(2, 2, prompt, 8, g), _rand(2, 2, prompt, 8, g), _rand(2, 4, prompt, 8, g))
+    assert layer.capacity == prompt + 10 and layer.pinned == prompt and layer.counters.evictions == 0
+    saved = [t[:, :, :prompt].clone() for t in (layer.keys, layer.values, layer.positions, layer.valid)]
+    generated = []
+    for _ in range(40):
+        evicted = step(layer, _rand(2, 2, 1, 8, g), _rand(2, 2, 1, 8, g), _rand(2, 4, 1, 8, g))[1]
+        generated.append(layer.counters.occupancy - prompt)
+        if evicted:
+            assert generated[-1] == 8  # the budget, counted past the prompt
+    assert max(generated) == 9 and layer.counters.evictions == 16  # evicts on the 10th, 12th, ... generated token
+    for now, before in zip((layer.keys, layer.values, layer.positions, layer.valid), saved, strict=True):
+        assert torch.equal(now[:, :, :prompt], before)
+    kept = layer.positions[0, 0, prompt : layer.counters.occupancy]
+    assert kept.min() >= prompt and (kept.diff() > 0).all()  # only generated tokens were candidates
+
+
+def test_prefill_pin_refuses_a_later_step_that_does_not_fit_and_pins_the_next_prompt_after_reset():
+    layer = _layer(budget=8, window=2, sinks=2, prefill="pin")
+    step(layer, torch.randn(1, 1, 12, 8), torch.randn(1, 1, 12, 8), torch.randn(1, 1, 12, 8))
+    with pytest.raises(RuntimeError, match="prefill='keep' or 'pin'"):
+        step(layer, torch.randn(1, 1, 11, 8), torch.randn(1, 1, 11, 8), torch.randn(1, 1, 11, 8))
+    assert layer.counters.tokens_seen == 12 and layer.counters.occupancy == 12
+    layer.reset()
+    assert layer.pinned == 0
+    step(layer, torch.randn(1, 1, 30, 8), torch.randn(1, 1, 30, 8), torch.randn(1, 1, 30, 8))
+    assert layer.pinned == 30 and layer.capacity == 40 and layer.counters.evictions == 0

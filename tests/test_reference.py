@@ -48,18 +48,25 @@ def test_the_reference_covers_every_registered_policy():
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize(
-    ("lengths", "kv_heads", "q_heads"),
-    [((10, 6, 2), 2, 4), ((37, 30, 5), 2, 4), ((23, 23, 19), 2, 2)],
-    ids=["short-gqa", "long-gqa", "long-mha"],
+    ("lengths", "kv_heads", "q_heads", "prefill"),
+    [
+        ((10, 6, 2), 2, 4, "compress"),
+        ((37, 30, 5), 2, 4, "compress"),
+        ((23, 23, 19), 2, 2, "compress"),
+        ((37, 30, 5), 2, 4, "pin"),
+    ],
+    ids=["short-gqa", "long-gqa", "long-mha", "long-gqa-pinned"],
 )
-def test_library_matches_reference(policy, lengths, kv_heads, q_heads):
+def test_library_matches_reference(policy, lengths, kv_heads, q_heads, prefill):
     """Prompts of up to 37 tokens against a budget of 16: a prompt over the budget is compressed
-    at once (scored by its last `window` queries), then one eviction every `window` tokens."""
+    at once (scored by its last `window` queries), then one eviction every `window` tokens. Pinned
+    (`prefill="pin"`): the prompt stays whole and the same schedule runs on the tokens after it."""
     seed = 11
     sizes = {"protect": PROTECT, "sinks": SINKS, **OVERRIDES.get(policy, {})}
-    cfg = VaSEConfig(budget=BUDGET, window=WINDOW, **sizes, temperature=2.0, smooth=3, seed=seed, policy=policy)
+    common = dict(**sizes, temperature=2.0, smooth=3, seed=seed, policy=policy, prefill=prefill)
+    cfg = VaSEConfig(budget=BUDGET, window=WINDOW, **common)
     layer = VaSELayer(cfg, policies.for_config(cfg))
-    ref = ReferenceCache(BATCH, kv_heads, BUDGET, WINDOW, **sizes, temperature=2.0, smooth=3, seed=seed, policy=policy)
+    ref = ReferenceCache(BATCH, kv_heads, BUDGET, WINDOW, **common)
     g = torch.Generator().manual_seed(3)
     mask = _ragged(lengths)
     prompt = mask.shape[1]
@@ -69,10 +76,10 @@ def test_library_matches_reference(policy, lengths, kv_heads, q_heads):
 
     k, v, q = rand(kv_heads, prompt), rand(kv_heads, prompt) * 3, rand(q_heads, prompt)
     _, evicted = step(layer, k, v, q, padding=mask)
-    assert ref.step(k, v, q, padding=mask) == evicted == (prompt > BUDGET)
+    assert ref.step(k, v, q, padding=mask) == evicted == (prompt > BUDGET and prefill == "compress")
     _compare(layer, ref)
     evictions = int(evicted)
-    for i in range(40):
+    for i in range(40 + layer.pinned):
         k, v, q = rand(kv_heads, 1), rand(kv_heads, 1) * 3, rand(q_heads, 1)
         padding = torch.ones(BATCH, prompt + i + 1)
         _, evicted = step(layer, k, v, q, padding=padding)

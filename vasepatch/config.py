@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FULL = "full"  # the never-evicting reference: a mode of the cache, not a policy
-PREFILL_MODES = ("compress", "keep")
+PREFILL_MODES = ("compress", "keep", "pin")
 # Slots per row and KV head: the varlen attention kernels index the packed buffer with int32 offsets.
 MAX_SLOTS = 2**31 - 1
 # Below this the scaled attention logits q.k / (sqrt(D) * temperature) can overflow float32; the
@@ -98,7 +98,10 @@ class VaSEConfig:
             the prefill attends to the whole prompt, then keeps its last `window` tokens plus
             `budget - window` older ones chosen by the policy (scored by the last `window`
             prompt queries). `"keep"`: the whole prompt is kept and the buffer has
-            `max(prompt, budget) + window` slots (the paper's setting).
+            `max(prompt, budget) + window` slots (the paper's setting; later evictions may take
+            prompt tokens). `"pin"`: the prompt is never evicted nor moved, and `budget` counts the
+            generated tokens only: the buffer has `prompt + budget + window` slots (the mode of
+            vLLM's prefix caching; a sliding-window layer pins nothing).
         check_policy_output: check the policy's picks at every eviction (range, duplicates,
             padding kept over real tokens); `False` skips these data-dependent checks, for speed
             (their cost: docs/reliability.md). Shape and dtype are checked either way.

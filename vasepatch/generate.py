@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", type=policy_name, default="vase", help=policy_help() + d)
     p.add_argument("--protect", type=int_in(0), default=None, help="protected slots (default: budget // 4)")
     p.add_argument("--sinks", type=int_in(0), default=4, help="first tokens always kept" + d)
-    p.add_argument("--prefill", choices=PREFILL_MODES, default="compress", help="compress or keep a long prompt" + d)
+    p.add_argument("--prefill", choices=PREFILL_MODES, default="compress", help="compress, keep or pin the prompt" + d)
     p.add_argument("--seed", type=seed, default=0, help="seeds VaSE's eviction sampling and --temperature sampling" + d)
     p.add_argument("--max-new-tokens", type=int_in(1), default=512, help="stop after this many tokens" + d)
     p.add_argument(

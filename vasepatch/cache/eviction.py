@@ -54,6 +54,24 @@ def kept_slots(
     return torch.cat([idx, recent], dim=-1)
 
 
+def write_kept(
+    buffers: tuple[torch.Tensor, ...], sources: tuple[torch.Tensor, ...], kept: torch.Tensor, start: int, n: int
+) -> int:
+    """Gather the `kept` slots (`[B, H, K]`, indices into `sources`) of `sources` (keys, values, positions,
+    valid) into slots `start..start+K-1` of `buffers` (the same four, may be the same tensors), and free slots
+    `start+K..n-1` (invalid, position -1). Returns `start + K`, the new fill."""
+    keys, values, positions, valid = buffers
+    src_keys, src_values, src_positions, src_valid = sources
+    end = start + kept.shape[-1]
+    keys[:, :, start:end] = gather_slots(src_keys, kept)
+    values[:, :, start:end] = gather_slots(src_values, kept)
+    valid[:, :, start:end] = src_valid.gather(2, kept)
+    positions[:, :, start:end] = src_positions.gather(2, kept).masked_fill_(~valid[:, :, start:end], -1)
+    valid[:, :, end:n] = False
+    positions[:, :, end:n] = -1
+    return end
+
+
 def gather_slots(src: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """`[B, H, K, D]`: `src[b, h, kept[b, h, k]]` for `src` `[B, H, S, D]` and `kept` `[B, H, K]`, what
     `src.gather(2, kept[..., None].expand(..., D))` returns, as one `index_select` of whole rows of

@@ -4,7 +4,8 @@ Per row `b` and KV head `h`, slot `s` holds `keys[b, h, s]`, `values[b, h, s]`,
 the token's absolute position `positions[b, h, s]` (-1 for padding) and whether
 it is a real token `valid[b, h, s]`. The buffers are allocated once, at the first
 step, with `budget + window` slots (`prefill="keep"`: `max(prompt, budget) +
-window`), and never move. Appends write at a fill pointer (`vasepatch.cache.writes`:
+window`; `"pin"`: `prompt + budget + window`, the prompt's slots never evicted nor
+written again), and never move. Appends write at a fill pointer (`vasepatch.cache.writes`:
 eagerly, real tokens into a layer that never held padding go to the host-known
 occupancy, with fewer ops); an eviction gathers the kept slots to the front in place.
 
@@ -71,21 +72,19 @@ class VaSELayer(FixedBatchLayer):
         self.config = config
         self.plan = plan if plan is not None else LayerPlan(0)
         self.policy = policy
-        # A sliding layer whose window fits the budget (or has no policy) keeps exactly its window:
-        # budget = the sliding window, no policy, no `keep` prefill (see `vasepatch.cache.sliding`).
+        # sliding_only: keeps exactly its sliding window, no policy, no prompt kept (`vasepatch.cache.sliding`)
         self.sliding_only = sliding.sliding_only(self.plan.sliding_window, config.budget, policy is not None)
         self.budget = self.plan.sliding_window if self.sliding_only else config.budget  # slots an eviction keeps
-        self.prefill = "compress" if self.sliding_only else config.prefill
+        self.prefill = sliding.prefill_mode(config.prefill, self.plan.sliding_window, self.sliding_only)
         self.evicts = policy is not None or self.sliding_only
         self.rng = rng if rng is not None else EvictionRandomness(config.seed)
         self.counters = counters if counters is not None else LayerCounters()
         self.ring = QueryRing(config.window)
         self.in_step = False  # set by the attention integration around a patched module's forward
-        # A never-evicting layer grows its buffer, which a compiled step cannot do: generate()
-        # then does not compile the decode step.
-        self.is_compileable = self.evicts
+        self.is_compileable = self.evicts  # a never-evicting layer grows its buffer: generate() does not compile
         self._pending = 0  # tokens appended by compiled steps whose host bookkeeping is due
         self.padded = False  # a step came with a padding mask: slots may hold padding (sticky until reset)
+        self.pinned = 0  # leading slots no eviction touches (the prompt, with prefill="pin")
 
     # --- allocation -------------------------------------------------------------------------
     @outside_inference_mode
@@ -147,6 +146,8 @@ class VaSELayer(FixedBatchLayer):
         q_len, sliding_window = key_states.shape[-2], self.plan.sliding_window
         compiling = torch.compiler.is_compiling()
         overflow = False if compiling else self._make_room(key_states, value_states)  # may raise: nothing moved yet
+        if not compiling and self.counters.tokens_seen == 0:  # the prompt
+            self.pinned = schedule.pinned(self.prefill, q_len)
         if padding is not None:
             self.padded = True
         if not (compiling or overflow or self.padded):
@@ -180,7 +181,7 @@ class VaSELayer(FixedBatchLayer):
         """Eagerly, before a step moves anything: whether it must take the overflow path. Grows the buffer
         where a mode allows it (never-evicting; `keep` after a `reset`), refuses a step `keep` cannot hold."""
         cfg, occ, q_len = self.config, self.counters.occupancy, key_states.shape[-2]
-        keep = self.prefill == schedule.KEEP and self.policy is not None
+        keep = self.prefill in schedule.SIZED_BY_PROMPT and self.policy is not None
         if keep and self.counters.tokens_seen == 0:  # a prompt after reset(): room for it plus one window
             need = schedule.capacity(self.budget, cfg.window, q_len, self.prefill)
             if need > self.capacity:
@@ -230,8 +231,9 @@ class VaSELayer(FixedBatchLayer):
     def due(self, q_len: int) -> bool:
         """Whether a step of `q_len` tokens written into the buffer ends with an eviction."""
         occupancy, first = self.counters.occupancy + q_len, self.counters.tokens_seen == 0
+        budget = self.pinned + self.budget  # a pinned prompt is never over the budget
         return self.evicts and schedule.evict_now(
-            self.budget, self.config.window, self.capacity, occupancy, first_step=first, prefill=self.prefill
+            budget, self.config.window, self.capacity, occupancy, first_step=first, prefill=self.prefill
         )
 
     def tokens_until_eviction(self) -> int:
@@ -241,15 +243,16 @@ class VaSELayer(FixedBatchLayer):
             raise RuntimeError("the cache has not seen its prefill yet")
         if not self.evicts:
             return schedule.NEVER
-        return schedule.tokens_until_eviction(self.budget, self.config.window, self.capacity, self.counters.occupancy)
+        c, budget = self.counters, self.pinned + self.budget
+        return schedule.tokens_until_eviction(budget, self.config.window, self.capacity, c.occupancy)
 
     # --- eviction ---------------------------------------------------------------------------
     def _compact(self, keys, values, positions, valid, n: int) -> None:
-        """Keep `budget` of the first `n` slots of (keys, values, positions, valid), gathered to the
-        front of the buffer: the most recent ones in a `sliding_only` layer, else those chosen
-        by `eviction.kept_slots` (in a sliding layer among the tokens still in the window: the others
-        count as padding, never candidates while real ones are left, never attended)."""
-        b, recent = self.budget, self.config.window  # the `window` most recent slots are always kept
+        """Keep `budget` of the first `n` slots of (keys, values, positions, valid) past the `pinned`
+        ones, gathered to just after them: the most recent ones in a `sliding_only` layer, else those
+        chosen by `eviction.kept_slots` (in a sliding layer among the tokens still in the window: the
+        others count as padding, never candidates while real ones are left, never attended)."""
+        p, b, recent = self.pinned, self.budget, self.config.window  # the `window` most recent are always kept
         sliding_window = self.plan.sliding_window  # None: a global layer
         if self.sliding_only:
             kept = sliding.recent_slots(n, b, valid)
@@ -258,16 +261,13 @@ class VaSELayer(FixedBatchLayer):
                 valid = sliding.in_window(positions, valid, self.next_position, sliding_window)
             queries = self.ring.read()
             generator = self.rng.for_eviction(self.plan, self.counters.evictions, self.device)
-            kept = eviction.kept_slots(self.policy, keys, values, positions, valid, queries, n, b, recent, generator)
-        self.keys[:, :, :b] = eviction.gather_slots(keys, kept)
-        self.values[:, :, :b] = eviction.gather_slots(values, kept)
-        self.valid[:, :, :b] = valid.gather(2, kept)
-        self.positions[:, :, :b] = positions.gather(2, kept).masked_fill_(~self.valid[:, :, :b], -1)
-        self.valid[:, :, b:n] = False
-        self.positions[:, :, b:n] = -1
-        self.fill.fill_(b)
+            tail = (t[:, :, p:] for t in (keys, values, positions, valid))  # the candidates: slots p..n-1
+            kept = eviction.kept_slots(self.policy, *tail, queries, n - p, b, recent, generator) + p
+        buffers = (self.keys, self.values, self.positions, self.valid)
+        end = eviction.write_kept(buffers, (keys, values, positions, valid), kept, p, n)
+        self.fill.fill_(end)
         c = self.counters
-        c.occupancy, c.evictions, c.evicted = b, c.evictions + 1, c.evicted + n - b
+        c.occupancy, c.evictions, c.evicted = end, c.evictions + 1, c.evicted + n - end
 
     # --- CacheLayerMixin API ----------------------------------------------------------------
     def get_seq_length(self) -> int | torch.Tensor:
@@ -295,6 +295,7 @@ class VaSELayer(FixedBatchLayer):
         self.counters.restart()
         self._pending = 0
         self.padded = False
+        self.pinned = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: permute rows in place (storage unchanged)."""

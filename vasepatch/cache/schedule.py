@@ -14,15 +14,26 @@ from __future__ import annotations
 import sys
 
 KEEP = "keep"  # prefill mode: the whole prompt stays in the buffer (the paper's setting)
+PIN = "pin"  # prefill mode: the prompt stays where it is, never evicted; `budget` counts generated tokens only
+SIZED_BY_PROMPT = (KEEP, PIN)  # the modes whose buffer the first step (the prompt) sizes
 NEVER = sys.maxsize  # tokens until the next eviction of a cache that never evicts
 
 
 def capacity(budget: int, window: int, prompt_len: int, prefill: str) -> int:
-    """Slots to allocate at the first step: `budget + window`, or with `prefill="keep"`
-    room for the whole prompt plus one window: `max(prompt_len, budget) + window`."""
+    """Slots to allocate at the first step: `budget + window`; with `prefill="keep"` room for
+    the whole prompt plus one window, `max(prompt_len, budget) + window`; with `"pin"` the
+    prompt plus `budget + window` generated tokens."""
     if prefill == KEEP:
         return max(prompt_len, budget) + window
+    if prefill == PIN:
+        return prompt_len + budget + window
     return budget + window
+
+
+def pinned(prefill: str, prompt_len: int) -> int:
+    """Leading slots that no eviction touches: the prompt with `prefill="pin"`, else none.
+    The schedule of a pinned layer is the one below with `pinned + budget` as its budget."""
+    return prompt_len if prefill == PIN else 0
 
 
 def fits(capacity: int, occupancy: int, q_len: int) -> bool:
@@ -35,7 +46,8 @@ def evict_now(budget: int, window: int, capacity: int, occupancy: int, *, first_
 
     - Never at or under the budget.
     - After the first step (the prompt): with `prefill="compress"` a prompt over the
-      budget is brought down to it at once; with `"keep"` it stays whole.
+      budget is brought down to it at once; with `"keep"` it stays whole. (`"pin"` passes
+      `pinned + budget` as the budget: its prompt is never over it.)
     - Otherwise once every `window` tokens past the budget, and whenever the buffer is full.
     """
     over = occupancy - budget
@@ -56,10 +68,10 @@ def tokens_until_eviction(budget: int, window: int, capacity: int, occupancy: in
 
 
 def keep_overflow_error(occupancy: int, q_len: int, capacity: int) -> RuntimeError:
-    """The error for a step that a `prefill="keep"` buffer cannot hold."""
+    """The error for a step that a `prefill="keep"` or `"pin"` buffer cannot hold."""
     return RuntimeError(
         f"vasepatch cache overflow: {occupancy} slots in use + {q_len} new tokens > capacity {capacity}. "
-        "With prefill='keep' the buffer is sized by the first step; feed later multi-token steps at most "
+        "With prefill='keep' or 'pin' the buffer is sized by the first step; feed later multi-token steps at most "
         "tokens_until_eviction() tokens at a time, or use prefill='compress', which compresses any step "
         "that does not fit (e.g. prefill_chunk_size chunks)"
     )

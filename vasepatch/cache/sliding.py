@@ -41,6 +41,15 @@ def sliding_only(sliding_window: int | None, budget: int, has_policy: bool) -> b
     return sliding_window is not None and (sliding_window <= budget or not has_policy)
 
 
+def prefill_mode(prefill: str, sliding_window: int | None, sliding_only: bool) -> str:
+    """A layer's prefill mode: the model's, except that a `sliding_only` layer keeps exactly its window
+    (`"compress"`) and a sliding layer pins nothing (`"pin"` becomes `"compress"`: a prompt past the
+    window is not attended anyway, and pinned slots would break the one contiguous attendable range)."""
+    if sliding_only or (prefill == "pin" and sliding_window is not None):
+        return "compress"
+    return prefill
+
+
 def recent_slots(n: int, keep: int, valid: torch.Tensor) -> torch.Tensor:
     """`[B, Hkv, keep]`: the last `keep` of the first `n` slots of `valid` `[B, Hkv, S]`, in order.
 

@@ -160,7 +160,7 @@ def add_cache_arguments(p: argparse.ArgumentParser, defaults: VaSEConfig, polici
         "--prefill",
         choices=PREFILL_MODES,
         default=defaults.prefill,
-        help="a prompt longer than the budget: compressed at prefill, or kept whole (the paper's setting)",
+        help="the prompt: compressed at prefill, kept whole (keep: the paper's setting), or never evicted (pin)",
     )
     p.add_argument("--seed", type=seed, default=defaults.seed, help="seed of the policies and of the sampling")
 

@@ -118,8 +118,9 @@ def patch(
     After this, a plain `model.generate(...)` keeps at most `budget` KV pairs per layer and
     head after each eviction (one every `window` decode steps), in buffers of `budget + window`
     slots per layer, row and KV head whatever the prompt (`prefill="keep"`: `max(prompt,
-    budget) + window`). Everything is validated first (one sequence's buffers must fit the
-    device's memory); on any error the model is left as it was. Settings: `VaSEConfig`.
+    budget) + window`; `"pin"`: `prompt + budget + window`, the prompt never evicted).
+    Everything is validated first (one sequence's buffers must fit the device's memory); on
+    any error the model is left as it was. Settings: `VaSEConfig`.
     Tensor-parallel and accelerate-dispatched models: see the module docstring.
     """
     check_transformers()

@@ -197,10 +197,10 @@ class PrepareCache:
         handle = self.handle
         user_cache = find_cache(model_kwargs)
         config = user_cache.config if isinstance(user_cache, VaSECache) else handle.config
-        if getattr(generation_config, "prefill_chunk_size", None) and config.prefill == "keep":
+        if getattr(generation_config, "prefill_chunk_size", None) and config.prefill in ("keep", "pin"):
             raise ValueError(
-                "prefill_chunk_size cannot be used with prefill='keep': that buffer is sized by the first "
-                "step, so a chunked prompt would not be kept whole; use prefill='compress' (the default)"
+                f"prefill_chunk_size cannot be used with prefill={config.prefill!r}: that buffer is sized by the "
+                "first step, so a chunked prompt would not be kept whole; use prefill='compress' (the default)"
             )
         if isinstance(user_cache, VaSECache):
             check_cache(handle, user_cache)
