@@ -159,3 +159,28 @@ def test_prefill_pin_refuses_a_later_step_that_does_not_fit_and_pins_the_next_pr
     assert layer.pinned == 0
     step(layer, torch.randn(1, 1, 30, 8), torch.randn(1, 1, 30, 8), torch.randn(1, 1, 30, 8))
     assert layer.pinned == 30 and layer.capacity == 40 and layer.counters.evictions == 0
+
+
+def test_prefill_pin_through_generate_on_a_ragged_batch(make_model):
+    """`patch(..., prefill="pin")` on a model: with a budget no sequence reaches, the unpatched model's greedy
+    tokens; with a small one, every layer keeps its whole (padded) prompt in place and at most
+    `budget + window` generated tokens, and evicts."""
+    import vasepatch
+    from tests.conftest import greedy_with_logits, ragged_batch
+    from tests.tiny_models import VOCAB
+
+    model = make_model("llama")
+    ids, mask = ragged_batch(VOCAB)
+    with torch.no_grad():
+        ref = greedy_with_logits(model, ids, mask, 40)
+        with vasepatch.patched(model, budget=64, window=8, prefill="pin") as handle:
+            assert torch.equal(greedy_with_logits(model, ids, mask, 40).sequences, ref.sequences)
+        assert handle.stats()["evictions"] == 0
+        with vasepatch.patched(model, budget=12, window=4, sinks=2, prefill="pin") as handle:
+            cache = handle.new_cache()
+            kwargs = {handle.cache_keyword: cache}
+            model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, **kwargs)
+    layer = cache.layers[0]
+    prompt = ids.shape[1]
+    assert layer.pinned == prompt and layer.capacity == prompt + 16 and layer.counters.evictions > 0
+    assert torch.equal(layer.valid[:, :, :prompt], mask.bool()[:, None, :].expand_as(layer.valid[:, :, :prompt]))

@@ -105,10 +105,13 @@ def test_chunked_prefill_parity(chunk):
     assert max_logit_diff(expected, out) <= 1e-5
 
 
-@pytest.mark.parametrize("settings", [{"prefill": "keep", "budget": 16}, {"policy": "full", "budget": 16}])
+@pytest.mark.parametrize(
+    "settings",
+    [{"prefill": "keep", "budget": 16}, {"prefill": "pin", "budget": 16}, {"policy": "full", "budget": 16}],
+)
 def test_keep_and_full_modes(settings):
-    """`keep`: the global layer keeps the whole prompt (nothing evicted before the end); `full`:
-    never evicts a global layer, while the sliding layers keep exactly their window in both."""
+    """`keep` and `pin`: the global layer keeps the whole prompt (nothing evicted before the end); `full`:
+    never evicts a global layer, while the sliding layers keep exactly their window in all three."""
     model = tiny(sliding_config("gemma3", 8))
     ids, mask = ragged_batch(VOCAB, lengths=LENGTHS)
     steps = 3 if settings.get("prefill") == "keep" else NEW  # keep: 60 + 3 < capacity 60 + 4
@@ -204,6 +207,15 @@ def test_window_only_layer_is_exact_for_any_step_sizes(seed, policy):
             expected = (scores.softmax(-1) @ vv).transpose(0, 1)
             assert torch.allclose(out[b][real[b]], expected[real[b]], atol=1e-5)
         assert layer.counters.occupancy <= layer.capacity == w + WINDOW
+
+
+def test_a_sliding_layer_with_a_policy_keeps_its_prompt_whole_under_pin():
+    """`prefill="pin"` on a sliding layer whose window is over the budget: the prompt is kept whole at prefill
+    (`"keep"`), not pinned: later evictions take prompt tokens, out-of-window ones first."""
+    layer = _layer(window=20, budget=8, sinks=2, prefill="pin")
+    assert layer.prefill == "keep"
+    step(layer, torch.randn(1, 2, 13, 8), torch.randn(1, 2, 13, 8), torch.randn(1, 4, 13, 8))
+    assert layer.counters.occupancy == 13 and layer.counters.evictions == 0 and layer.pinned == 0
 
 
 def test_window_over_budget_drops_out_of_window_tokens_first():

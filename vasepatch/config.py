@@ -101,7 +101,8 @@ class VaSEConfig:
             `max(prompt, budget) + window` slots (the paper's setting; later evictions may take
             prompt tokens). `"pin"`: the prompt is never evicted nor moved, and `budget` counts the
             generated tokens only: the buffer has `prompt + budget + window` slots (the mode of
-            vLLM's prefix caching; a sliding-window layer pins nothing).
+            vLLM's prefix caching; a sliding-window layer with a policy keeps its prompt whole at
+            prefill, as with `"keep"`, without pinning it).
         check_policy_output: check the policy's picks at every eviction (range, duplicates,
             padding kept over real tokens); `False` skips these data-dependent checks, for speed
             (their cost: docs/reliability.md). Shape and dtype are checked either way.
@@ -155,7 +156,9 @@ class VaSEConfig:
 
     def check_fits(self, bytes_per_slot: int, available: int, where: str = "the device") -> None:
         """Raise `ValueError` naming `budget` when one row's buffers (`budget + window` slots of
-        `bytes_per_slot` bytes: 2 x layers x KV heads x head_dim x dtype bytes) exceed `available`."""
+        `bytes_per_slot` bytes: 2 x layers x KV heads x head_dim x dtype bytes) exceed `available`.
+        With `prefill="keep"` or `"pin"` the prompt adds to that at the first step, which this
+        check (made before any prompt is seen) cannot count."""
         need = (self.budget + self.window) * bytes_per_slot
         if need > available:
             raise ValueError(

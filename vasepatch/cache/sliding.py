@@ -12,10 +12,11 @@ What such a layer keeps (`sliding_only`):
   tokens (or whenever a step overflows it, e.g. a prompt longer than `w`) an eviction keeps
   the `w` most recent slots (`recent_slots`). Nothing it drops could ever be attended again,
   so such a layer is exact, in `"full"` mode too (the reference then stays exact while the
-  sliding layers' memory stays bounded). Sinks and `prefill="keep"` do not apply to it: a
-  prompt longer than its buffer is attended whole, then cut to its last `w` tokens.
+  sliding layers' memory stays bounded). Sinks and `prefill="keep"`/`"pin"` do not apply to
+  it: a prompt longer than its buffer is attended whole, then cut to its last `w` tokens.
 - `w > budget` with a policy: the layer is a normal VaSE layer (budget, schedule,
-  `prefill` mode and capacity of a global layer) with the sliding mask on top, and the tokens
+  `prefill` mode and capacity of a global layer, but `"pin"` acts as `"keep"`:
+  `prefill_mode`) with the sliding mask on top, and the tokens
   already out of the window are no eviction candidates (`in_window`): the policy ranks them
   as padding, last, so they are dropped first, and any it still keeps (fewer real candidates
   than slots) are stored as padding, never attended.
@@ -43,10 +44,13 @@ def sliding_only(sliding_window: int | None, budget: int, has_policy: bool) -> b
 
 def prefill_mode(prefill: str, sliding_window: int | None, sliding_only: bool) -> str:
     """A layer's prefill mode: the model's, except that a `sliding_only` layer keeps exactly its window
-    (`"compress"`) and a sliding layer pins nothing (`"pin"` becomes `"compress"`: a prompt past the
-    window is not attended anyway, and pinned slots would break the one contiguous attendable range)."""
-    if sliding_only or (prefill == "pin" and sliding_window is not None):
+    (`"compress"`), and that a sliding layer with a policy keeps its prompt whole at prefill but does not
+    pin it (`"pin"` becomes `"keep"`): its later evictions may take prompt tokens, out-of-window ones first,
+    since pinned slots that fall out of the window would break the one contiguous attendable range."""
+    if sliding_only:
         return "compress"
+    if prefill == "pin" and sliding_window is not None:
+        return "keep"
     return prefill
 
 
