@@ -99,12 +99,13 @@ def test_another_vllm_without_the_front_door_classes_still_starts(fake_vllm, mon
 # --- the operator's caps ---------------------------------------------------------------------------------------
 
 
-def _engine(additional=None, max_model_len=4096, ranks=1, hf_config=None):
+def _engine(additional=None, max_model_len=4096, ranks=1, hf_config=None, prefix_caching=False):
     model = SimpleNamespace(max_model_len=max_model_len, hf_config=hf_config or LlamaConfig())
     return SimpleNamespace(
         additional_config=additional or {},
         model_config=model,
         parallel_config=SimpleNamespace(tensor_parallel_size=ranks, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching),
     )
 
 
@@ -196,10 +197,10 @@ def test_alibi_models_are_recognised(hf_config, alibi):
 
 def test_shared_heads_on_more_than_one_rank_is_refused_by_engine_and_request():
     one, two = _engine(ranks=1), _engine(ranks=2)
-    shared = SimpleNamespace(shared_heads=True)
-    assert requirements.config_problems(one, shared) == []
-    assert "shared_heads=True with tensor_parallel_size=2" in requirements.config_problems(two, shared)[0]
-    assert requirements.config_problems(two, SimpleNamespace(shared_heads=False)) == []
+    shared = SimpleNamespace(shared_heads=True, prefill="compress")
+    assert requirements.config_problems(one, shared) == {}
+    assert "shared_heads=True with tensor_parallel_size=2" in requirements.config_problems(two, shared)["shared_heads"]
+    assert requirements.config_problems(two, SimpleNamespace(shared_heads=False, prefill="compress")) == {}
     engine = _engine({"vasepatch": {"budget": 256}}, ranks=2)  # checked when it started; the request's own key
     with pytest.raises(settings.SettingsError, match="shared_heads=True") as error:
         requirements.check_request(engine, SimpleNamespace(extra_args={"vasepatch_shared_heads": 1}, seed=None))
@@ -278,7 +279,7 @@ def test_the_worker_takes_the_requests_sampling_seed_as_its_eviction_seed():
     """A request with no `vasepatch_seed` anywhere evicts with its sampling seed, in the worker too (the
     scheduler and the API server resolve the same settings)."""
     worker = WorkerEviction()
-    runner = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={}), requests={})
+    runner = SimpleNamespace(vllm_config=_engine(), requests={})
     for req_id, seed, want in (("seeded", 7, 7), ("unseeded", None, settings.DEFAULT_SEED)):
         sp = SimpleNamespace(extra_args={"vasepatch_budget": 64, "vasepatch_window": 16}, seed=seed)
         runner.requests[req_id] = SimpleNamespace(sampling_params=sp)

@@ -91,7 +91,11 @@ def test_an_engine_error_names_the_values_it_took_as_defaults(engine, text, defa
     from vasepatch.integration.vllm import requirements
 
     with pytest.raises(settings.SettingsError) as error:
-        requirements.check_engine(SimpleNamespace(additional_config={"vasepatch": engine}))
+        requirements.check_engine(
+            SimpleNamespace(
+                additional_config={"vasepatch": engine}, cache_config=SimpleNamespace(enable_prefix_caching=False)
+            )
+        )
     message = str(error.value)
     assert message.startswith(f"{error.value.parameter}: {text}")
     note = "the default, not set in additional_config['vasepatch']; set it there to change it"
@@ -192,12 +196,13 @@ class _Manager:
         self.block_pool = SimpleNamespace(free_blocks=lambda blocks: self.freed.extend(blocks))
 
 
-def _scheduler(requests, block_size=16, engine=None):
+def _scheduler(requests, block_size=16, engine=None, prefix_caching=False):
     manager = _Manager(block_size)
     coordinator = SimpleNamespace(single_type_managers=(manager,))
+    caching = SimpleNamespace(enable_prefix_caching=prefix_caching)
     return SimpleNamespace(
         running=requests,
-        vllm_config=SimpleNamespace(additional_config=engine or {}),
+        vllm_config=SimpleNamespace(additional_config=engine or {}, cache_config=caching),
         kv_cache_manager=SimpleNamespace(coordinator=coordinator),
     ), manager
 
@@ -319,3 +324,87 @@ def test_ranks_evict_their_heads_as_one_rank_evicts_all(policy_name):
         assert torch.equal(got, want[:, mine])
         for layer in range(layers):
             assert torch.equal(shard[layer], one_rank[layer][:, mine])
+
+
+# --- prefill="pin": the prompt's blocks untouched, only the generated slots evicted -------------------------
+
+
+@pytest.mark.parametrize("prompt", [19, 24], ids=["prompt-ends-mid-block", "prompt-fills-its-blocks"])
+@pytest.mark.parametrize("policy_name", ["vase", "streaming"])
+def test_pinned_compaction_keeps_what_the_transformers_cache_keeps_and_writes_no_prompt_block(prompt, policy_name):
+    """With `pinned` prompt slots, the candidates are the slots after them, the kept ones land right after them
+    (the transformers cache's `prefill="pin"` choice, on the same tensors), the prompt's full blocks are never
+    written (not one byte: the prefix cache may share them) and its slots in a part-filled block keep their
+    values."""
+    torch.manual_seed(2)
+    layers, heads, q_heads, d, bs = 2, 2, 4, 8, 8
+    budget, window, dropped = 16, 8, 3
+    n = prompt + budget + window
+    config = VaSEConfig(budget=budget, window=window, policy=policy_name, seed=4, sinks=2, prefill="pin")
+    policy = policies.for_config(config)
+    caches = [torch.randn(12, heads, bs, 2 * d) for _ in range(layers)]
+    blocks = torch.tensor([7, 2, 9, 0, 11, 5])
+    dense = [paged_layout.read_slots(c, blocks, n) for c in caches]
+    prompt_blocks = blocks[: prompt // bs]
+    before = [c[prompt_blocks].clone() for c in caches]
+    queries = torch.randn(layers, q_heads, window, d)
+    earlier = torch.randint(prompt, 10_000, (layers, heads, budget))
+    positions = compaction.candidate_positions(earlier, layers, heads, n, dropped, pinned=prompt)
+    assert positions.shape[-1] == n - prompt and torch.equal(positions[..., :budget], earlier)
+    assert torch.equal(positions[0, 0, budget:], torch.arange(dropped + prompt + budget, dropped + n))
+    got = compaction.compact(caches, blocks, n, queries, positions, config, policy, rounds=1, pinned=prompt)
+    for layer in range(layers):
+        assert torch.equal(caches[layer][prompt_blocks], before[layer])
+        keys, values = (t.unsqueeze(0) for t in dense[layer])
+        new_keys, new_values = paged_layout.read_slots(caches[layer], blocks, prompt + budget)
+        assert torch.equal(new_keys[:, :prompt], keys[0, :, :prompt])  # the pinned prompt, every slot
+        assert torch.equal(new_values[:, :prompt], values[0, :, :prompt])
+        valid = torch.ones(1, heads, n - prompt, dtype=torch.bool)
+        tail = (keys[:, :, prompt:], values[:, :, prompt:])
+        kept = kept_slots(policy, *tail, positions[layer : layer + 1], valid, queries[layer : layer + 1],
+                          n - prompt, budget, window, KeyedGenerator(4, layer, 1, 0))  # fmt: skip
+        want = keys[0, :, prompt:].gather(1, kept[0, ..., None].expand(-1, -1, d))
+        assert torch.equal(new_keys[:, prompt:], want)
+        assert torch.equal(got[layer], positions[layer].gather(-1, kept[0]))
+
+
+def test_the_plan_of_a_pinned_request_counts_its_budget_past_the_prompt():
+    budget, window, bs, prompt = 40, 8, 16, 50
+    req = _request("a", prompt, {"vasepatch_budget": budget, "vasepatch_window": window, "vasepatch_prefill": "pin"})
+    scheduler, manager = _scheduler([req], bs)
+    _decode(req, prompt)
+    assert scheduler_side.plan(scheduler).orders == {}  # the prompt, over the budget, stays whole
+    assert scheduler_side.cacheable(req) == prompt  # the prefix cache may hold the prompt's full blocks only
+    evicted_at = []
+    for computed in range(prompt + 1, prompt + budget + 3 * window + 1):
+        _decode(req, computed)
+        manager.req_to_blocks["a"] = list(range(-(-(computed - req.vasepatch.dropped) // bs)))
+        step = scheduler_side.plan(scheduler)
+        if step.orders:
+            evicted_at.append((computed, step.orders["a"], list(manager.req_to_blocks["a"])))
+    first = prompt + budget + window
+    assert [c for c, _, _ in evicted_at] == [first, first + window, first + 2 * window]
+    assert evicted_at[0][1] == scheduler_side.Order(first, 0, 0, pinned=prompt)
+    assert evicted_at[0][2] == list(range(-(-(prompt + budget) // bs)))  # the blocks of prompt + budget slots
+    assert req.vasepatch.dropped == 3 * window
+
+
+def test_the_prefill_mode_defaults_to_pin_with_prefix_caching_and_compress_is_refused_there():
+    from vasepatch.integration.vllm import requirements
+
+    asks = {"vasepatch_budget": 128}
+    assert settings.resolve(None, asks, None).prefill == "compress"
+    assert settings.resolve(None, asks, None, prefix_caching=True).prefill == "pin"
+    assert settings.resolve({"vasepatch": {"budget": 128, "prefill": "compress"}}, {}, None, True).prefill == "compress"
+    with pytest.raises(settings.SettingsError, match="prefill must be one of 'compress', 'pin' in vLLM") as error:
+        settings.resolve(None, {**asks, "vasepatch_prefill": "keep"}, None)
+    assert error.value.parameter == "vasepatch_prefill"
+    engine = SimpleNamespace(
+        additional_config={},
+        cache_config=SimpleNamespace(enable_prefix_caching=True),
+        model_config=SimpleNamespace(max_model_len=4096),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+    config = settings.resolve(None, {**asks, "vasepatch_prefill": "compress"}, None, True)
+    assert list(requirements.config_problems(engine, config)) == ["prefill"]
+    assert requirements.config_problems(engine, settings.resolve(None, asks, None, True)) == {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -50,6 +51,46 @@ def worker_state(worker: Any) -> dict[str, Any]:
         "ring_bytes": state.rings.nbytes,
         "generators_restored": state.generators_restored,
     }
+
+
+def record_blocks(worker) -> None:
+    """From now on the model runner notes every request's block ids at every step, once the step's evictions
+    have cut them and vLLM has appended the step's new blocks (`collective_rpc`)."""
+    runner = worker.model_runner
+    runner.seen_blocks, runner.block_steps = {}, []
+    update = runner._update_states
+
+    def noting(scheduler_output, *args, **kwargs):
+        result = update(scheduler_output, *args, **kwargs)
+        step = {req_id: list(state.block_ids[0]) for req_id, state in runner.requests.items()}
+        for req_id, blocks in step.items():
+            runner.seen_blocks.setdefault(req_id, []).append(blocks)
+        runner.block_steps.append(step)
+        return result
+
+    runner._update_states = noting
+
+
+def seen_blocks(worker) -> dict[str, list[list[int]]]:
+    """Each request's block ids at every step it ran (`record_blocks`)."""
+    return worker.model_runner.seen_blocks
+
+
+def block_steps(worker) -> list[dict[str, list[int]]]:
+    """Every step's block ids by request (`record_blocks`)."""
+    return worker.model_runner.block_steps
+
+
+def reused_at_once(steps: list[dict[str, list[int]]]) -> int:
+    """How many times a block that a running request gave back (an eviction cut it) is held by another request
+    at the very next step."""
+    count = 0
+    for before, after in itertools.pairwise(steps):
+        for req_id, blocks in before.items():
+            if req_id in after:
+                given = set(blocks) - set(after[req_id])
+                count += sum(len(given & set(b)) for other, b in after.items() if other != req_id)
+    return count
 
 
 def worker_rss_mib(worker: Any) -> float:

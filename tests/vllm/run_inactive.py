@@ -37,6 +37,7 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -47,7 +48,9 @@ def main() -> None:
     with engine(model) as llm:  # no VaSE settings: vLLM's own engine
         prompt = [TokensPrompt(prompt_token_ids=list(range(1, 40)))]
         found["tokens"] = list(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
-        found["scheduler_patched"] = vasepatch_wrapped(Scheduler) + vasepatch_wrapped(KVCacheManager)
+        found["scheduler_patched"] = [
+            name for owner in (Scheduler, KVCacheManager, KVCacheCoordinator) for name in vasepatch_wrapped(owner)
+        ]
         found["worker_patched"] = llm.collective_rpc(patched_in_worker)[0]
         try:
             asks = SamplingParams(max_tokens=4, extra_args={"vasepatch_budget": 16})

@@ -157,7 +157,8 @@ def test_bad_request_settings_are_refused_naming_the_key(llm, prompt):
 def test_an_engine_that_cannot_evict_is_refused_before_it_starts(smollm2_path):
     from vllm import LLM
 
-    with pytest.raises(ValueError, match=r"prefix caching is on: pass enable_prefix_caching=False"):
-        LLM(smollm2_path, enable_prefix_caching=True, additional_config={"vasepatch": {"budget": 256}})
+    with pytest.raises(ValueError, match=r"prefill='compress' with prefix caching on: compaction would rewrite"):
+        compress = {"budget": 256, "prefill": "compress"}  # with prefix caching on, "pin" is the default
+        LLM(smollm2_path, enable_prefix_caching=True, additional_config={"vasepatch": compress})
     with pytest.raises(ValueError, match=r"window must be smaller than budget"):
         LLM(smollm2_path, enable_prefix_caching=False, additional_config={"vasepatch": {"budget": 64}})

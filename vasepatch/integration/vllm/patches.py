@@ -2,7 +2,7 @@
 
 vLLM has no extension point for a request whose slot count falls while its positions keep counting,
 for giving a running request's tail blocks back, or for per-request side buffers of an attention
-backend (docs/vllm.md, "What is patched"). So the plugin wraps eleven functions of the pinned version,
+backend (docs/vllm.md, "What is patched"). So the plugin wraps thirteen functions of the pinned version,
 each wrapper calling the original:
 
 | vLLM function | process | the wrapper |
@@ -12,6 +12,8 @@ each wrapper calling the original:
 | `Scheduler.schedule` | EngineCore | issue the due orders, free the tail blocks, ship the step |
 | `Scheduler._preempt_request` | EngineCore | a preempted request starts over |
 | `KVCacheManager.allocate_slots` | EngineCore | block math on physical slots |
+| `KVCacheManager.get_computed_blocks` | EngineCore | an evicting request shares no cached block past its prompt |
+| `KVCacheCoordinator.cache_blocks` | EngineCore | ... and publishes none (compaction rewrites them) |
 | `GPUModelRunner._update_states` | worker | carry out the orders before new blocks are appended |
 | `GPUModelRunner._prepare_inputs` | worker | physical `seq_lens` and slot mapping; plan the query rings |
 | `GPUModelRunner._on_request_state_removed` | worker | free a finished request's side state |
@@ -19,7 +21,7 @@ each wrapper calling the original:
 | `GPUModelRunner._bookkeeping_sync` | worker | ... instead of vLLM's offset rewind, which CPU generators lack |
 | `CPUAttentionBackendImpl.forward` | worker | record the queries (after RoPE) |
 
-`install()` is idempotent. On any other vLLM version it wraps none of the last nine, and the first two only
+`install()` is idempotent. On any other vLLM version it wraps none of the last eleven, and the first two only
 to refuse VaSE settings (`inactive`): vLLM starts and serves as if the plugin were absent.
 """
 
@@ -110,6 +112,7 @@ def _patch_front() -> None:
 
 
 def _patch_scheduler() -> None:
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -146,9 +149,27 @@ def _patch_scheduler() -> None:
 
         return wrapper
 
+    def cache_blocks(original):
+        def wrapper(self, request, num_computed_tokens, *args, **kwargs):
+            cap = scheduler_side.cacheable(request)
+            tokens = num_computed_tokens if cap is None else min(num_computed_tokens, cap)
+            return original(self, request, tokens, *args, **kwargs)
+
+        return wrapper
+
+    def computed_blocks(original):
+        def wrapper(self, request, *args, **kwargs):
+            found = original(self, request, *args, **kwargs)
+            cap = scheduler_side.cacheable(request)
+            return found if cap is None else access.capped_hit(self, found, cap)
+
+        return wrapper
+
     _wrap(Scheduler, "schedule", schedule)
     _wrap(Scheduler, "_preempt_request", preempt)
     _wrap(KVCacheManager, "allocate_slots", allocate_slots)
+    _wrap(KVCacheManager, "get_computed_blocks", computed_blocks)
+    _wrap(KVCacheCoordinator, "cache_blocks", cache_blocks)
 
 
 def _worker(runner: Any) -> WorkerEviction:

@@ -1,11 +1,11 @@
 """What an engine must be for its requests to evict, checked before any request runs.
 
 Eviction rewrites a request's blocks in place and gives some back, so nothing else may read or share
-them by position: the prefix cache (blocks published under a hash of the tokens before them),
-speculative decoding (rollbacks and the drafter's own slots), KV connectors (positional blocks),
-pipeline parallelism, and any cache layout but the two the plugin reads (vLLM's CPU backend, `vec` and
-`vec16`: not the GPU's, not AMX's bf16 one, not fp8) are refused with an error naming the setting to
-change. So are models whose
+them by position. The prefix cache (blocks published under a hash of the tokens before them) may share
+only a pinned prompt's blocks, so with it on only `prefill="pin"` evicts. Speculative decoding
+(rollbacks and the drafter's own slots), KV connectors (positional blocks), pipeline parallelism, and
+any cache layout but the two the plugin reads (vLLM's CPU backend, `vec` and `vec16`: not the GPU's,
+not AMX's bf16 one, not fp8) are refused with an error naming the setting to change. So are models whose
 layers are not all full attention (one block table for every layer; sliding-window layers free blocks
 of their own), models with an ALiBi bias (vLLM's CPU kernel computes it from slot positions, which
 compaction moves), more tensor-parallel ranks than KV heads (replicated KV heads would need their
@@ -30,8 +30,6 @@ from vasepatch.integration.vllm import engine_access as access
 def problems(vllm_config: Any) -> list[str]:
     """What in the engine's configuration rules out eviction (empty when nothing does)."""
     found = []
-    if vllm_config.cache_config.enable_prefix_caching:
-        found.append("prefix caching is on: pass enable_prefix_caching=False (--no-enable-prefix-caching)")
     if vllm_config.speculative_config is not None:
         found.append("speculative decoding is on: leave speculative_config unset")
     if vllm_config.kv_transfer_config is not None:
@@ -91,15 +89,22 @@ def uses_alibi(hf_config: Any) -> bool:
     return bool(ALIBI_ARCHITECTURES & set(getattr(hf_config, "architectures", None) or []))
 
 
-def config_problems(vllm_config: Any, config: Any) -> list[str]:
-    """What rules out one request's (or the engine's) VaSE settings on this engine."""
+def config_problems(vllm_config: Any, config: Any) -> dict[str, str]:
+    """What rules out one request's (or the engine's) VaSE settings on this engine, by the setting to change."""
+    found = {}
     ranks = vllm_config.parallel_config.tensor_parallel_size
     if config.shared_heads and ranks > 1:
-        return [
+        found["shared_heads"] = (
             f"shared_heads=True with tensor_parallel_size={ranks}: a rank sees only its own KV heads, so one "
             "set per layer cannot combine them all; use shared_heads=False or one rank"
-        ]
-    return []
+        )
+    if config.prefill == "compress" and access.prefix_caching(vllm_config):
+        found["prefill"] = (
+            "prefill='compress' with prefix caching on: compaction would rewrite the prompt's blocks, which the "
+            "prefix cache publishes and shares; use prefill='pin' (the default with prefix caching on: it keeps "
+            "the prompt and evicts what is generated), or turn prefix caching off (--no-enable-prefix-caching)"
+        )
+    return found
 
 
 def _mixed_layers(hf_config: Any) -> bool:
@@ -119,7 +124,7 @@ def check_engine(vllm_config: Any) -> None:
     limits(vllm_config)  # the operator's caps, checked whether or not the engine evicts by default
     if config is None:  # no defaults, or policy "full": checked when a request asks for eviction
         return
-    found = problems(vllm_config) + config_problems(vllm_config, config)
+    found = problems(vllm_config) + list(config_problems(vllm_config, config).values())
     if found:
         raise settings.SettingsError(
             "additional_config['vasepatch'] asks for eviction, which this engine cannot do: " + "; ".join(found),
@@ -130,7 +135,7 @@ def check_engine(vllm_config: Any) -> None:
 def engine_default(vllm_config: Any) -> Any:
     """The `VaSEConfig` a request of this engine evicts with when it sets nothing itself; None when the engine
     does not evict by default (no settings, or policy "full")."""
-    return settings.resolve(vllm_config.additional_config, None, None)
+    return settings.resolve(vllm_config.additional_config, None, None, access.prefix_caching(vllm_config))
 
 
 def limits(vllm_config: Any) -> settings.Limits:
@@ -151,18 +156,21 @@ def _defaults_named(message: str, additional: Any) -> str:
 def check_request(vllm_config: Any, params: Any) -> None:
     """A request's settings against the operator's caps, and the engine when the request is the one asking
     for eviction."""
-    config = settings.resolve(vllm_config.additional_config, params.extra_args, params.seed)
+    caching = access.prefix_caching(vllm_config)
+    config = settings.resolve(vllm_config.additional_config, params.extra_args, params.seed, caching)
     own = settings.request_settings(params.extra_args)
     limits(vllm_config).check(config, own)
     if config is None:
         return
-    found = config_problems(vllm_config, config)
+    by_setting = config_problems(vllm_config, config)
+    found = list(by_setting.values())
     if engine_default(vllm_config) is None:  # else the engine was checked when it started
         found = problems(vllm_config) + found
     if found:
+        named = [f for f in by_setting if f in own]
         raise settings.SettingsError(
             "this request asks for eviction, which this engine cannot do: " + "; ".join(found),
-            settings.REQUEST_PREFIX + ("shared_heads" if "shared_heads" in own else "budget"),
+            settings.REQUEST_PREFIX + (named[0] if named else "budget"),
         )
 
 
@@ -188,6 +196,9 @@ def active_line(vllm_config: Any) -> str:
             f"budget and no per-request settings; set {settings.ENGINE_WHERE}['budget'], or 'request_settings' true"
         )
     evicts = f"engine settings {own}" if own else "no engine settings (requests opt in with vasepatch_* keys)"
+    caching = access.prefix_caching(vllm_config)
+    prefill = settings.default_prefill(caching)
+    evicts += f"; prefill {prefill!r} unless set (prefix caching {'on' if caching else 'off'})"
     asks = f"requests capped at budget {caps.budget}, window {caps.window}"
     if not caps.requests_allowed:
         asks = "no per-request settings"

@@ -3,12 +3,16 @@
 When a request evicts is a pure function of host ints (`vasepatch.cache.schedule.evict_now`, the
 transformers cache's own rule), so the scheduler decides it without asking the worker: before each
 `schedule()`, every running request whose physical slot count (`num_computed_tokens - dropped`)
-calls for an eviction gets an `Order`, its block list is cut to `ceil(budget / block_size)` and the tail
-blocks go back to vLLM's free pool at once (they show in vLLM's KV usage metric). The worker carries
+calls for an eviction gets an `Order`, its block list is cut to `ceil((pinned + budget) / block_size)` and
+the tail blocks go back to vLLM's free pool at once (they show in vLLM's KV usage metric). The worker carries
 out the order at the start of the same step, before anything writes to those blocks.
 
 `dropped` (positions evicted so far) lives on the request; block math is made physical by subtracting
 it while vLLM allocates (`physical`), and it travels to the worker with every step (`Step`).
+
+With `prefill="pin"` the prompt's `pinned` slots are never evicted nor written: the schedule runs with
+`pinned + budget` as its budget, and the prefix cache publishes and shares only the prompt's full blocks
+(`cacheable`), which the compaction never reaches.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ STEP_ATTR = "vasepatch_step"  # the SchedulerOutput attribute the worker reads
 
 @dataclass(frozen=True)
 class Order:
-    """Evict one request now: it holds `n` slots, `dropped` positions were evicted before, round `round`."""
+    """Evict one request now: it holds `n` slots, `dropped` positions were evicted before, round `round`; its
+    first `pinned` slots (the prompt, with `prefill="pin"`) stay as they are."""
 
     n: int
     dropped: int
     round: int
+    pinned: int = 0
 
 
 @dataclass
@@ -51,6 +57,7 @@ class RequestState:
     dropped: int = 0
     rounds: int = 0
     prefilled: bool = False
+    pinned: int = 0  # slots no eviction touches: the prompt as it arrived, with prefill="pin"
 
     def reset(self) -> None:
         """Preempted: vLLM frees every block and recomputes the whole sequence, which then compresses
@@ -58,33 +65,52 @@ class RequestState:
         self.dropped, self.prefilled = 0, False
 
 
-def state_of(request: Any, additional_config: Any) -> RequestState:
+def state_of(request: Any, scheduler: Any) -> RequestState:
     """The request's eviction state, made on first sight (its settings were checked when it arrived)."""
     state = getattr(request, "vasepatch", None)
     if state is None:
         given = access.request_sampling(request)
-        state = RequestState(None if given is None else settings.resolve(additional_config, *given))
+        engine, caching = access.engine_config(scheduler), access.prefix_caching(scheduler)
+        config = None if given is None else settings.resolve(engine, *given, prefix_caching=caching)
+        pins = config is not None and config.prefill == "pin"
+        state = RequestState(config, pinned=access.prompt_tokens(request) if pins else 0)
         request.vasepatch = state
     return state
+
+
+def pinned(request: Any) -> int:
+    """Slots at the start of an evicting request that no eviction touches: its prompt with `prefill="pin"`, as
+    it was when the scheduler first saw it (a streaming-input session later counts what it generated as prompt,
+    and those slots have been compacted)."""
+    return request.vasepatch.pinned
+
+
+def cacheable(request: Any) -> int | None:
+    """How many of a request's first tokens the prefix cache may publish or share (None: all of them). An
+    evicting request's blocks past its pinned prompt are rewritten by compaction, so none of them: its
+    hashes are logical, and such a block would be published, or a shared one rewritten, under the wrong
+    tokens. Before the scheduler first sees a request (its prompt's own prefill) the prompt's are."""
+    state = getattr(request, "vasepatch", None)
+    if state is None or state.config is None:
+        return None
+    return pinned(request)
 
 
 def plan(scheduler: Any) -> Step:
     """Before `schedule()`: issue the orders of the running requests that are due, and free their tails."""
     step = Step()
-    additional = access.engine_config(scheduler)
     for request in access.running(scheduler):
-        state = state_of(request, additional)
+        state = state_of(request, scheduler)
         config = state.config
         if config is None or not access.decoding(request):
             continue
         first, state.prefilled = not state.prefilled, True
-        phys = access.computed_tokens(request) - state.dropped
-        cap = config.budget + config.window
-        if evict_now(config.budget, config.window, cap, phys, first_step=first, prefill="compress"):
-            step.orders[access.request_id(request)] = Order(phys, state.dropped, state.rounds)
-            state.dropped += phys - config.budget
+        phys, keep = access.computed_tokens(request) - state.dropped, pinned(request) + config.budget
+        if evict_now(keep, config.window, keep + config.window, phys, first_step=first, prefill="compress"):
+            step.orders[access.request_id(request)] = Order(phys, state.dropped, state.rounds, pinned(request))
+            state.dropped += phys - keep
             state.rounds += 1
-            access.free_tail(scheduler, access.request_id(request), config.budget)
+            access.free_tail(scheduler, access.request_id(request), keep)
     return step
 
 

@@ -9,6 +9,9 @@ them, so the API server, the scheduler and the workers read the same settings th
   cannot nest): `vasepatch_budget`, `vasepatch_window`, `vasepatch_policy`, ... They override the engine's.
   `vasepatch_policy="full"` runs the request with the full cache.
 - With neither, a request runs with vLLM's full cache: one engine serves both.
+- `prefill`: `"pin"` keeps the prompt's slots as they are (the prefix cache may share them) and evicts only
+  what the request generates; `"compress"` evicts from the whole sequence. Unset, it is `"pin"` on an engine
+  with prefix caching on (vLLM's default) and `"compress"` without (`default_prefill`).
 - Operator limits, engine-only (`LIMIT_FIELDS`): per-request settings come from HTTP clients, so the
   engine caps what a request may ask for (`Limits`: the largest budget and window, or no per-request
   settings at all). A request over a cap is refused (HTTP 400) naming the cap.
@@ -40,11 +43,19 @@ ENGINE_FIELDS = (
     "policy_options",
     "check_policy_output",
     "shared_heads",
+    "prefill",
 )
 REQUEST_FIELDS = tuple(f for f in ENGINE_FIELDS if f != "policy_options")  # flat values only
 LIMIT_FIELDS = ("max_request_budget", "max_request_window", "request_settings")  # the operator's, engine-only
 DEFAULT_MAX_WINDOW = 512  # the default cap on a request's window (with max_model_len): its query rings' size
 DEFAULT_SEED = 0  # a request with no seed anywhere: the same kept sets run after run
+PREFILL_MODES = ("compress", "pin")  # vLLM's; "keep" sizes a buffer by the prompt, which a paged pool has not
+
+
+def default_prefill(prefix_caching: bool) -> str:
+    """A request's prefill mode when no setting names one: `"pin"` on an engine with prefix caching on (the
+    prompt's blocks stay as the prefix cache published them, and may be shared), else `"compress"`."""
+    return "pin" if prefix_caching else "compress"
 
 
 class SettingsError(ValueError):
@@ -160,12 +171,16 @@ def _request_bool(key: str, value: Any) -> Any:
 
 
 def resolve(
-    additional_config: Mapping[str, Any] | None, extra_args: Mapping[str, Any] | None, sampling_seed: int | None
+    additional_config: Mapping[str, Any] | None,
+    extra_args: Mapping[str, Any] | None,
+    sampling_seed: int | None,
+    prefix_caching: bool = False,
 ) -> VaSEConfig | None:
     """The request's `VaSEConfig`, or None: the full cache (no settings anywhere, or policy `"full"`).
 
     The seed is `vasepatch_seed`, else the engine's, else the request's sampling seed, else 0, so that
-    the kept sets never depend on what else is in the batch."""
+    the kept sets never depend on what else is in the batch. The prefill mode is `vasepatch_prefill`, else
+    the engine's, else `default_prefill(prefix_caching)`."""
     engine = engine_settings(additional_config)
     own = request_settings(extra_args)
     merged = {**engine, **own}
@@ -178,6 +193,15 @@ def resolve(
         )
     if merged.get("seed") is None:
         merged["seed"] = DEFAULT_SEED if sampling_seed is None else sampling_seed
+    merged.setdefault("prefill", default_prefill(prefix_caching))
+    if merged["prefill"] not in PREFILL_MODES:
+        where = REQUEST_PREFIX + "prefill" if "prefill" in own else f"{ENGINE_WHERE}['prefill']"
+        raise SettingsError(
+            f"{where}: prefill must be one of {', '.join(map(repr, PREFILL_MODES))} in vLLM, got "
+            f"{merged['prefill']!r} ('keep' sizes a buffer by its prompt and may evict it later: the transformers "
+            "path's; 'pin' keeps the prompt and evicts only what is generated)",
+            where,
+        )
     try:
         config = VaSEConfig(**merged)
         from vasepatch import policies  # the policy's name and options, checked where they live

@@ -32,7 +32,7 @@ from vasepatch.integration.vllm.scheduler_side import STEP_ATTR, Order, Step
 class _Request:
     config: VaSEConfig
     policy: policies.Policy
-    kept: torch.Tensor | None = None  # positions of slots 0..budget-1 after the last eviction
+    kept: torch.Tensor | None = None  # positions of the `budget` slots after the pinned ones, after the last eviction
 
 
 class WorkerEviction:
@@ -49,7 +49,8 @@ class WorkerEviction:
     def settings_of(self, runner: Any, req_id: str) -> _Request | None:
         if req_id not in self.requests:
             given = access.runner_sampling(runner, req_id)
-            config = None if given is None else settings.resolve(access.engine_config(runner), *given)
+            engine, caching = access.engine_config(runner), access.prefix_caching(runner)
+            config = None if given is None else settings.resolve(engine, *given, prefix_caching=caching)
             self.requests[req_id] = None if config is None else _Request(config, policies.for_config(config))
             if config is not None:
                 self.rings.assign(req_id, config.window)
@@ -80,12 +81,13 @@ class WorkerEviction:
             raise RuntimeError("vasepatch cannot evict from a model with an ALiBi bias (slot positions move)")
         blocks = access.request_blocks(runner, req_id)
         heads = caches[0].shape[1]
-        positions = compaction.candidate_positions(state.kept, len(caches), heads, order.n, order.dropped)
+        n, pinned = order.n, order.pinned
+        positions = compaction.candidate_positions(state.kept, len(caches), heads, n, order.dropped, pinned)
         queries = self.rings.queries(req_id, names)
         state.kept = compaction.compact(
-            caches, blocks, order.n, queries, positions, state.config, state.policy, order.round, self.head_offset
+            caches, blocks, n, queries, positions, state.config, state.policy, order.round, self.head_offset, pinned
         )
-        access.cut_blocks(runner, req_id, -(-state.config.budget // block_size))
+        access.cut_blocks(runner, req_id, -(-(order.pinned + state.config.budget) // block_size))
         self.evictions += 1
 
     def after_prepare(self, runner: Any, num_scheduled_tokens: np.ndarray) -> None:
