@@ -37,6 +37,12 @@ def test_smollm2_greedy_tokens_equal_vllm_without_the_plugin(smollm2_path):
 
 
 @pytest.mark.timeout(900)
+def test_smollm2_in_bfloat16_greedy_tokens_equal_vllm_without_the_plugin(smollm2_path):
+    """bfloat16 caches (the layout's bytes in bfloat16: test_vllm_layout.py)."""
+    check_parity(smollm2_path, {"dtype": "bfloat16"})
+
+
+@pytest.mark.timeout(900)
 def test_a_qwen3_model_greedy_tokens_equal_vllm_without_the_plugin(tmp_path):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run's vLLM pass r
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
-from tests.vllm.engines import engine, worker_state
+from tests.vllm.engines import block_steps, engine, record_blocks, reused_at_once, worker_state
 
 POOL_BLOCKS, BLOCK = 40, 32  # 1,280 slots
 BUDGET, WINDOW, NEW = 320, 32, 600  # an evicting request holds up to 11 blocks: 5 of them need 55
@@ -69,3 +69,24 @@ def test_seeded_requests_preempted_after_evicting_are_recomputed_in_chunks(smoll
     assert metrics["vllm:kv_cache_usage_perc"] == 0.0
     assert (state["requests"], state["ring_bytes"]) == (0, 0)
     assert state["generators_restored"] >= 3  # the recomputes were chunked: 4 chunks or more each
+
+
+@pytest.mark.timeout(900)
+def test_blocks_an_eviction_gives_back_serve_another_request_at_once(smollm2_path):
+    """Six requests with staggered prompts in a pool of 24 blocks (no preemption: each holds at most 4): the
+    blocks one request's eviction gives back are held by another in the very next step, and every request's
+    greedy tokens are those of a pool large enough that blocks wait in the free queue."""
+    prompts = [[1 + (5 * i + 3 * j) % 500 for j in range(64 + 8 * i)] for i in range(6)]
+    asks = {"vasepatch_budget": 64, "vasepatch_window": 32, "vasepatch_policy": "vase"}
+    params = SamplingParams(max_tokens=300, min_tokens=300, temperature=0, extra_args=asks)
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    with engine(smollm2_path, num_gpu_blocks_override=24, max_model_len=512, disable_log_stats=False) as llm:
+        llm.collective_rpc(record_blocks)
+        tight = [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        steps = llm.collective_rpc(block_steps)[0]
+    with engine(smollm2_path, max_model_len=512) as llm:
+        roomy = [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]
+    assert metrics["vllm:num_preemptions"] == 0
+    assert reused_at_once(steps) > 0
+    assert tight == roomy
