@@ -180,6 +180,7 @@ def test_prefill_pin_through_generate_on_a_ragged_batch(make_model):
             cache = handle.new_cache()
             kwargs = {handle.cache_keyword: cache}
             model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, **kwargs)
+            assert handle.stats()["pinned"] == ids.shape[1]
     layer = cache.layers[0]
     prompt = ids.shape[1]
     assert layer.pinned == prompt and layer.capacity == prompt + 16 and layer.counters.evictions > 0

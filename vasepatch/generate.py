@@ -313,7 +313,8 @@ def run(args: argparse.Namespace) -> None:
     model, tokenizer = models.load(args.model, dtype=_torch_dtype(args.dtype), device=args.device)
     inputs = encode(tokenizer, prompt, args.raw, model.device)
     live = LiveOutput(sys.stdout, sys.stderr)
-    ours = f"vasepatch (budget={config.budget}, window={config.window}, policy={config.policy})"
+    ours = f"vasepatch (budget={config.budget}, window={config.window}, policy={config.policy}"
+    ours += ")" if config.prefill == "compress" else f", prefill={config.prefill})"
     if args.compare:
         print(f"--- {ours} ---", flush=True)
     runs = [generate_once(model, tokenizer, inputs, options, live, config, "vasepatch")]

@@ -15,11 +15,12 @@ class LayerCounters:
     evicted: int = 0  # slots dropped per row and KV head, summed over rounds
     capacity: int = 0  # slots allocated per row and KV head
     kv_bytes: int = 0  # bytes held by the K and V buffers
+    pinned: int = 0  # leading slots no eviction touches (the prompt, with prefill="pin")
 
     def restart(self) -> None:
         """A new generation on the same buffers (`reset`): the counts start over, while
         `capacity` and `kv_bytes` describe the buffers, which are kept."""
-        self.occupancy = self.tokens_seen = self.evictions = self.evicted = 0
+        self.occupancy = self.tokens_seen = self.evictions = self.evicted = self.pinned = 0
 
 
 @dataclass
@@ -39,6 +40,7 @@ class CacheMonitor:
             "budget": budget,
             "window": window,
             "capacity": max((c.capacity for c in ls), default=0),
+            "pinned": max((c.pinned for c in ls), default=0),
             "kv_bytes": sum(c.kv_bytes for c in ls),
             "layers": len(ls),
             "generations": self.generations,

@@ -147,7 +147,7 @@ class VaSELayer(FixedBatchLayer):
         compiling = torch.compiler.is_compiling()
         overflow = False if compiling else self._make_room(key_states, value_states)  # may raise: nothing moved yet
         if not compiling and self.counters.tokens_seen == 0:  # the prompt
-            self.pinned = schedule.pinned(self.prefill, q_len)
+            self.pinned = self.counters.pinned = schedule.pinned(self.prefill, q_len)
         if padding is not None:
             self.padded = True
         if not (compiling or overflow or self.padded):

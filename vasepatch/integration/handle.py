@@ -188,7 +188,8 @@ class PatchHandle:
         `evictions` (eviction rounds), `evicted_tokens` (slots dropped per row and
         KV head), `tokens_seen` (sequence length incl. padding), `occupancy` (max
         over layers of slots in use), `budget`, `window`, `capacity` (slots
-        allocated per layer, row and KV head), `kv_bytes` (K+V buffer bytes, all
+        allocated per layer, row and KV head), `pinned` (prompt slots that no eviction
+        touches: the prompt with `prefill="pin"`, else 0), `kv_bytes` (K+V buffer bytes, all
         layers, held by this process), `layers`, `generations` (caches created by this
         patch); and across tensor-parallel ranks: `world_size` (ranks the KV heads are
         split over; 1 without tensor parallelism), `rank` (this one), `kv_bytes_total`

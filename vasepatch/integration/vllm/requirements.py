@@ -101,8 +101,9 @@ def config_problems(vllm_config: Any, config: Any) -> dict[str, str]:
     if config.prefill == "compress" and access.prefix_caching(vllm_config):
         found["prefill"] = (
             "prefill='compress' with prefix caching on: compaction would rewrite the prompt's blocks, which the "
-            "prefix cache publishes and shares; use prefill='pin' (the default with prefix caching on: it keeps "
-            "the prompt and evicts what is generated), or turn prefix caching off (--no-enable-prefix-caching)"
+            "prefix cache publishes and shares; set prefill to 'pin' (the default with prefix caching on: it keeps "
+            "the prompt and evicts what is generated), or turn prefix caching off (enable_prefix_caching=False; "
+            "--no-enable-prefix-caching on the server)"
         )
     return found
 
@@ -124,11 +125,13 @@ def check_engine(vllm_config: Any) -> None:
     limits(vllm_config)  # the operator's caps, checked whether or not the engine evicts by default
     if config is None:  # no defaults, or policy "full": checked when a request asks for eviction
         return
-    found = problems(vllm_config) + list(config_problems(vllm_config, config).values())
-    if found:
+    engine, by_setting = problems(vllm_config), config_problems(vllm_config, config)
+    if engine or by_setting:  # named by the setting to change, where one setting is the whole problem
+        where = settings.ENGINE_WHERE if engine else f"{settings.ENGINE_WHERE}[{next(iter(by_setting))!r}]"
         raise settings.SettingsError(
-            "additional_config['vasepatch'] asks for eviction, which this engine cannot do: " + "; ".join(found),
-            settings.ENGINE_WHERE,
+            f"{where}: additional_config['vasepatch'] asks for eviction, which this engine cannot do as set: "
+            + "; ".join(engine + list(by_setting.values())),
+            where,
         )
 
 
@@ -169,7 +172,7 @@ def check_request(vllm_config: Any, params: Any) -> None:
     if found:
         named = [f for f in by_setting if f in own]
         raise settings.SettingsError(
-            "this request asks for eviction, which this engine cannot do: " + "; ".join(found),
+            "this request asks for eviction, which this engine cannot do as set: " + "; ".join(found),
             settings.REQUEST_PREFIX + (named[0] if named else "budget"),
         )
 
