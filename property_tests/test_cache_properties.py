@@ -117,7 +117,7 @@ def _eviction(case: CacheCase, layer: VaSELayer, call, appended: list[list[int]]
     cand_pos, cand_valid, cand_ranges = call
     b, h, w = case.batch, case.kv_heads, case.window
     window = torch.tensor([row[-w:] for row in appended]).view(b, 1, w).expand(b, h, w)
-    start, bud = layer.pinned, case.budget  # what the eviction wrote: the slots past a pinned prompt
+    start, bud = layer.counters.pinned, case.budget  # what the eviction wrote: the slots past a pinned prompt
     end = start + bud
     return Eviction(
         torch.cat([cand_pos, window], -1),

@@ -257,7 +257,7 @@ class CacheMachine(RuleBasedStateMachine):
         if cfg.prefill == "compress" and cfg.policy != FULL:
             assert layer.capacity == cfg.budget + cfg.window
         if cfg.prefill == "pin" and cfg.policy != FULL:  # the prompt, then at most budget + window generated
-            assert layer.pinned == self.pinned and occ <= self.pinned + cfg.budget + cfg.window
+            assert layer.counters.pinned == self.pinned and occ <= self.pinned + cfg.budget + cfg.window
         assert not layer.valid[:, :, occ:].any()
         assert layer.next_position.tolist() == [row.next_pos for row in self.rows]
         for r, shadow in enumerate(self.rows):

@@ -134,7 +134,7 @@ def test_prefill_pin_never_moves_the_prompt_and_bounds_what_is_generated():
     g = torch.Generator().manual_seed(0)
     prompt = 13
     step(layer, _rand(2, 2, prompt, 8, g), _rand(2, 2, prompt, 8, g), _rand(2, 4, prompt, 8, g))
-    assert layer.capacity == prompt + 10 and layer.pinned == prompt and layer.counters.evictions == 0
+    assert layer.capacity == prompt + 10 and layer.counters.pinned == prompt and layer.counters.evictions == 0
     saved = [t[:, :, :prompt].clone() for t in (layer.keys, layer.values, layer.positions, layer.valid)]
     generated = []
     for _ in range(40):
@@ -156,9 +156,9 @@ def test_prefill_pin_refuses_a_later_step_that_does_not_fit_and_pins_the_next_pr
         step(layer, torch.randn(1, 1, 11, 8), torch.randn(1, 1, 11, 8), torch.randn(1, 1, 11, 8))
     assert layer.counters.tokens_seen == 12 and layer.counters.occupancy == 12
     layer.reset()
-    assert layer.pinned == 0
+    assert layer.counters.pinned == 0
     step(layer, torch.randn(1, 1, 30, 8), torch.randn(1, 1, 30, 8), torch.randn(1, 1, 30, 8))
-    assert layer.pinned == 30 and layer.capacity == 40 and layer.counters.evictions == 0
+    assert layer.counters.pinned == 30 and layer.capacity == 40 and layer.counters.evictions == 0
 
 
 def test_prefill_pin_through_generate_on_a_ragged_batch(make_model):
@@ -183,5 +183,5 @@ def test_prefill_pin_through_generate_on_a_ragged_batch(make_model):
             assert handle.stats()["pinned"] == ids.shape[1]
     layer = cache.layers[0]
     prompt = ids.shape[1]
-    assert layer.pinned == prompt and layer.capacity == prompt + 16 and layer.counters.evictions > 0
+    assert layer.counters.pinned == prompt and layer.capacity == prompt + 16 and layer.counters.evictions > 0
     assert torch.equal(layer.valid[:, :, :prompt], mask.bool()[:, None, :].expand_as(layer.valid[:, :, :prompt]))

@@ -79,7 +79,7 @@ def test_library_matches_reference(policy, lengths, kv_heads, q_heads, prefill):
     assert ref.step(k, v, q, padding=mask) == evicted == (prompt > BUDGET and prefill == "compress")
     _compare(layer, ref)
     evictions = int(evicted)
-    for i in range(40 + layer.pinned):
+    for i in range(40 + layer.counters.pinned):
         k, v, q = rand(kv_heads, 1), rand(kv_heads, 1) * 3, rand(q_heads, 1)
         padding = torch.ones(BATCH, prompt + i + 1)
         _, evicted = step(layer, k, v, q, padding=padding)

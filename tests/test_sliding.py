@@ -215,7 +215,7 @@ def test_a_sliding_layer_with_a_policy_keeps_its_prompt_whole_under_pin():
     layer = _layer(window=20, budget=8, sinks=2, prefill="pin")
     assert layer.prefill == "keep"
     step(layer, torch.randn(1, 2, 13, 8), torch.randn(1, 2, 13, 8), torch.randn(1, 4, 13, 8))
-    assert layer.counters.occupancy == 13 and layer.counters.evictions == 0 and layer.pinned == 0
+    assert layer.counters.occupancy == 13 and layer.counters.evictions == 0 and layer.counters.pinned == 0
 
 
 def test_window_over_budget_drops_out_of_window_tokens_first():

@@ -84,7 +84,6 @@ class VaSELayer(FixedBatchLayer):
         self.is_compileable = self.evicts  # a never-evicting layer grows its buffer: generate() does not compile
         self._pending = 0  # tokens appended by compiled steps whose host bookkeeping is due
         self.padded = False  # a step came with a padding mask: slots may hold padding (sticky until reset)
-        self.pinned = 0  # leading slots no eviction touches (the prompt, with prefill="pin")
 
     # --- allocation -------------------------------------------------------------------------
     @outside_inference_mode
@@ -147,7 +146,7 @@ class VaSELayer(FixedBatchLayer):
         compiling = torch.compiler.is_compiling()
         overflow = False if compiling else self._make_room(key_states, value_states)  # may raise: nothing moved yet
         if not compiling and self.counters.tokens_seen == 0:  # the prompt
-            self.pinned = self.counters.pinned = schedule.pinned(self.prefill, q_len)
+            self.counters.pinned = schedule.pinned(self.prefill, q_len)
         if padding is not None:
             self.padded = True
         if not (compiling or overflow or self.padded):
@@ -231,7 +230,7 @@ class VaSELayer(FixedBatchLayer):
     def due(self, q_len: int) -> bool:
         """Whether a step of `q_len` tokens written into the buffer ends with an eviction."""
         occupancy, first = self.counters.occupancy + q_len, self.counters.tokens_seen == 0
-        budget = self.pinned + self.budget  # a pinned prompt is never over the budget
+        budget = self.counters.pinned + self.budget  # a pinned prompt is never over the budget
         return self.evicts and schedule.evict_now(
             budget, self.config.window, self.capacity, occupancy, first_step=first, prefill=self.prefill
         )
@@ -243,7 +242,8 @@ class VaSELayer(FixedBatchLayer):
             raise RuntimeError("the cache has not seen its prefill yet")
         if not self.evicts:
             return schedule.NEVER
-        c, budget = self.counters, self.pinned + self.budget
+        c = self.counters
+        budget = c.pinned + self.budget
         return schedule.tokens_until_eviction(budget, self.config.window, self.capacity, c.occupancy)
 
     # --- eviction ---------------------------------------------------------------------------
@@ -252,7 +252,7 @@ class VaSELayer(FixedBatchLayer):
         ones, gathered to just after them: the most recent ones in a `sliding_only` layer, else those
         chosen by `eviction.kept_slots` (in a sliding layer among the tokens still in the window: the
         others count as padding, never candidates while real ones are left, never attended)."""
-        p, b, recent = self.pinned, self.budget, self.config.window  # the `window` most recent are always kept
+        p, b, recent = self.counters.pinned, self.budget, self.config.window  # `recent`: always kept
         sliding_window = self.plan.sliding_window  # None: a global layer
         if self.sliding_only:
             kept = sliding.recent_slots(n, b, valid)
@@ -295,7 +295,6 @@ class VaSELayer(FixedBatchLayer):
         self.counters.restart()
         self._pending = 0
         self.padded = False
-        self.pinned = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: permute rows in place (storage unchanged)."""
