@@ -57,7 +57,8 @@ class RequestState:
     dropped: int = 0
     rounds: int = 0
     prefilled: bool = False
-    pinned: int = 0  # slots no eviction touches: the prompt as it arrived, with prefill="pin"
+    pinned: int = 0  # slots no eviction touches: the prompt as the scheduler first saw it, with prefill="pin" (a
+    # streaming-input session later counts what it generated as prompt, and those slots have been compacted)
 
     def reset(self) -> None:
         """Preempted: vLLM frees every block and recomputes the whole sequence, which then compresses
@@ -78,13 +79,6 @@ def state_of(request: Any, scheduler: Any) -> RequestState:
     return state
 
 
-def pinned(request: Any) -> int:
-    """Slots at the start of an evicting request that no eviction touches: its prompt with `prefill="pin"`, as
-    it was when the scheduler first saw it (a streaming-input session later counts what it generated as prompt,
-    and those slots have been compacted)."""
-    return request.vasepatch.pinned
-
-
 def cacheable(request: Any) -> int | None:
     """How many of a request's first tokens the prefix cache may publish or share (None: all of them). An
     evicting request's blocks past its pinned prompt are rewritten by compaction, so none of them: its
@@ -93,7 +87,7 @@ def cacheable(request: Any) -> int | None:
     state = getattr(request, "vasepatch", None)
     if state is None or state.config is None:
         return None
-    return pinned(request)
+    return state.pinned
 
 
 def plan(scheduler: Any) -> Step:
@@ -105,9 +99,9 @@ def plan(scheduler: Any) -> Step:
         if config is None or not access.decoding(request):
             continue
         first, state.prefilled = not state.prefilled, True
-        phys, keep = access.computed_tokens(request) - state.dropped, pinned(request) + config.budget
+        phys, keep = access.computed_tokens(request) - state.dropped, state.pinned + config.budget
         if evict_now(keep, config.window, keep + config.window, phys, first_step=first, prefill="compress"):
-            step.orders[access.request_id(request)] = Order(phys, state.dropped, state.rounds, pinned(request))
+            step.orders[access.request_id(request)] = Order(phys, state.dropped, state.rounds, state.pinned)
             state.dropped += phys - keep
             state.rounds += 1
             access.free_tail(scheduler, access.request_id(request), keep)
