@@ -8,7 +8,7 @@ choice and the compaction into each layer's buffer):
 
 - `per-layer`: `VaSELayer._compact`, what the cache runs, one layer after the other;
 - `stacked-K`: groups of K layers, their candidates concatenated along the batch axis, one
-  `eviction.kept_slots` call with one keyed hash for the group (`StackedKeys`), then each
+  `eviction.kept_slots` call with one keyed hash for the group (`keyed.StackedKeyedGenerator`), then each
   layer's kept slots moved into its buffer. Before timing, its buffers are checked to equal
   the per-layer ones bit for bit.
 
@@ -33,26 +33,6 @@ from vasepatch.cache.plan import LayerPlan
 from vasepatch.policies import keyed
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM = 30, 3, 3, 64  # SmolLM2-135M
-
-
-class StackedKeys(keyed.KeyedGenerator):
-    """The keyed uniforms of several layers' evictions in one hash: layer `l` owns rows
-    `l*B .. l*B + B - 1` of a stacked `[L*B, H, N]` draw, with the noise it draws alone."""
-
-    def __init__(self, gens: list[keyed.KeyedGenerator], batch: int) -> None:
-        super().__init__(0, 0, 0)
-        self.gens, self.batch = gens, batch
-
-    def uniform_candidates(self, shape, device):
-        (lb, h, n), b = shape, self.batch
-        keys = [keyed.absorb(g.key, self.draws) for g in self.gens]
-        self.draws += 1
-        x = torch.tensor(keys, dtype=torch.int64, device=device).view(-1, 1, 1, 1)
-        x = keyed.absorb_mixed(x, keyed.mixed_indices(0, b, device).view(1, b, 1, 1))
-        heads = torch.stack([keyed.mixed_indices(g.head_offset, h, device) for g in self.gens])
-        x = keyed.absorb_mixed(x, heads.view(-1, 1, h, 1))
-        x = keyed.absorb_mixed(x, keyed.mixed_indices(0, n, device).view(1, 1, 1, n))
-        return keyed.to_uniform(x).view(lb, h, n)
 
 
 def filled_layers(batch: int, policy: str, seed: int = 0) -> list[VaSELayer]:
@@ -83,7 +63,7 @@ def stacked(layers: list[VaSELayer], group: int) -> None:
         gens = [x.rng.for_eviction(x.plan, x.counters.evictions, x.device) for x in part]
         kept = eviction.kept_slots(
             first.policy, keys, values, positions, valid, queries, n, first.budget, first.config.window,
-            StackedKeys(gens, b),
+            keyed.StackedKeyedGenerator([(g.seed, g.layer, g.eviction) for g in gens], first.plan.head_offset, rows=b),
         )  # fmt: skip
         rows = [(keys, values, positions, valid, kept)[i].split(b) for i in range(5)]
         for layer, k, v, p, m, idx in zip(part, *rows, strict=True):

@@ -34,7 +34,14 @@ from vasepatch import VaSEConfig, policies
 from vasepatch.cache import VaSELayer, eviction
 from vasepatch.cache.plan import LayerPlan
 from vasepatch.policies import keyed, scoring
-from vasepatch.policies.keyed import MASK32, SHARED_HEAD, KeyedGenerator, absorb_tensor, to_uniform
+from vasepatch.policies.keyed import (
+    MASK32,
+    SHARED_HEAD,
+    KeyedGenerator,
+    StackedKeyedGenerator,
+    absorb_tensor,
+    to_uniform,
+)
 
 CPU = torch.device("cpu")
 
@@ -249,22 +256,10 @@ def test_every_policy_keeps_exactly_what_the_previous_eviction_kept(name, case, 
         assert torch.equal(got, want)
 
 
-class _StackedGenerator(KeyedGenerator):
-    """The keyed noise of several layers' evictions stacked along the batch axis (what
-    `benchmarks/eviction_batching.py` times): layer `l`'s rows `l*B .. l*B + B - 1`."""
-
-    def __init__(self, gens: list[KeyedGenerator], batch: int):
-        super().__init__(0, 0, 0)  # a policy that draws no keyed noise is handed a torch.Generator it ignores
-        self.gens, self.batch = gens, batch
-
-    def uniform_candidates(self, shape, device):
-        b = self.batch
-        return torch.cat([gen.uniform_candidates((b, *shape[1:]), device) for gen in self.gens])
-
-
-@pytest.mark.parametrize("name", ["vase", "snapkv", "rkv", "cur", "random", "protect-random"])
+@pytest.mark.parametrize("name", policies.available())
 def test_stacking_the_layers_keeps_the_same_slots(name):
-    """The stacked eviction the benchmark times keeps what each layer keeps on its own."""
+    """The stacked eviction the benchmark times (`keyed.StackedKeyedGenerator`, `rows=B`: layer `l`'s rows
+    `l*B .. l*B + B - 1`) keeps what each layer keeps on its own, for every registered policy."""
     g = torch.Generator().manual_seed(1)
     policy = policies.get(name, protect=8)
     b, h, n, d, budget, window, layers = 2, 3, 40, 16, 24, 8, 4
@@ -278,6 +273,6 @@ def test_stacking_the_layers_keeps_the_same_slots(name):
     gens = [KeyedGenerator(5, i, 2, 3) for i in range(layers)]
     one = [eviction.kept_slots(policy, *x, n, budget, window, gen) for x, gen in zip(inputs, gens, strict=True)]
     stacked = [torch.cat([x[i] for x in inputs]) for i in range(5)]
-    fresh = [KeyedGenerator(5, i, 2, 3) for i in range(layers)]
-    together = eviction.kept_slots(policy, *stacked, n, budget, window, _StackedGenerator(fresh, b))
+    keys = [(5, i, 2) for i in range(layers)]
+    together = eviction.kept_slots(policy, *stacked, n, budget, window, StackedKeyedGenerator(keys, 3, rows=b))
     assert torch.equal(together, torch.cat(one))

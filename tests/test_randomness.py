@@ -15,7 +15,7 @@ from vasepatch.cache.plan import LayerPlan
 from vasepatch.cache.randomness import EvictionRandomness
 from vasepatch.config import VaSEConfig
 from vasepatch.policies import keyed, scoring
-from vasepatch.policies.keyed import KeyedGenerator
+from vasepatch.policies.keyed import KeyedGenerator, StackedKeyedGenerator
 
 EDGES = [0, 1, 2, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFE, 0xFFFFFFFF]
 
@@ -241,3 +241,32 @@ def test_kept_slots_with_a_keyed_generator_on_a_rank():
         return eviction.kept_slots(policy, *args, n, 16, 4, gen)
 
     assert torch.equal(torch.cat([keep(0, 1), keep(1, 4)], 1), keep(0, 4))
+
+
+def test_a_stacked_generator_draws_each_rows_own_keys_draws():
+    """Row `i` of a `StackedKeyedGenerator` draws what `KeyedGenerator(*keys[i])` draws for row 0 of a batch of
+    one, draw after draw: uniforms per KV head (head-shared too) and each row's own Gaussian sketch. So one policy
+    call over stacked evictions (`vasepatch.integration.vllm.compaction.compact_stacked`) keeps what one call
+    per eviction keeps."""
+    cpu = torch.device("cpu")
+    keys = [(7, 0, 3), (7, 1, 3), (-5, 0, 0), (2**64 - 1, 29, 11)]
+    stacked = StackedKeyedGenerator(keys, head_offset=3)
+    alone = [KeyedGenerator(*key, head_offset=3) for key in keys]
+    for _ in range(2):
+        got = stacked.uniform_candidates((4, 2, 50), cpu)
+        for row, g in enumerate(alone):
+            assert torch.equal(got[row], g.uniform_candidates((1, 2, 50), cpu)[0])
+    sketch = stacked.normal((16, 5), cpu)
+    assert sketch.shape == (4, 16, 5)
+    for row, g in enumerate(alone):
+        assert torch.equal(sketch[row], g.normal((16, 5), cpu))
+    shared = stacked.shared_heads().uniform_candidates((4, 3, 9), cpu)
+    for row, key in enumerate(keys):
+        assert torch.equal(shared[row], KeyedGenerator(*key).shared_heads().uniform_candidates((1, 3, 9), cpu)[0])
+    with pytest.raises(ValueError, match="a draw of 3 rows from a StackedKeyedGenerator of 4 rows"):
+        stacked.uniform_candidates((3, 2, 50), cpu)
+    batches = StackedKeyedGenerator(keys[:2], rows=3).uniform_candidates((6, 2, 20), cpu)  # a batch of 3 per key
+    for i, key in enumerate(keys[:2]):
+        assert torch.equal(batches[3 * i : 3 * i + 3], KeyedGenerator(*key).uniform_candidates((3, 2, 20), cpu))
+    with pytest.raises(TypeError, match="only a priority function marked draws_keyed_noise"):
+        stacked.torch_generator()

@@ -14,6 +14,7 @@ from vasepatch.config import VaSEConfig
 from vasepatch.integration.vllm import compaction, paged_layout, scheduler_side, settings
 from vasepatch.integration.vllm.query_rings import QueryRings
 from vasepatch.integration.vllm.worker_side import WorkerEviction
+from vasepatch.policies.base import Policy
 from vasepatch.policies.keyed import KeyedGenerator
 
 # --- settings -------------------------------------------------------------------------------------------
@@ -408,3 +409,84 @@ def test_the_prefill_mode_defaults_to_pin_with_prefix_caching_and_compress_is_re
     config = settings.resolve(None, {**asks, "vasepatch_prefill": "compress"}, None, True)
     assert list(requirements.config_problems(engine, config)) == ["prefill"]
     assert requirements.config_problems(engine, settings.resolve(None, asks, None, True)) == {}
+
+
+# --- one eviction call per step: the due requests stacked ---------------------------------------------------
+
+
+def _stack_case(policy_name: str, dtype: torch.dtype, pins: bool, shared: bool = False):
+    """Three requests due at one step (seeds, rounds, dropped counts and, pinned, prompt lengths of their own),
+    their paged caches of 3 layers, and what each request's own `compaction.compact` call leaves."""
+    gen = torch.Generator().manual_seed(3)
+    layers, heads, q_heads, d, bs, budget, window = 3, 2, 4, 16, 8, 20, 4
+    pinned = [5, 13, 21] if pins else [0, 0, 0]
+    mode = "pin" if pins else "compress"
+    configs = [
+        VaSEConfig(budget=budget, window=window, policy=policy_name, seed=100 + r, prefill=mode, shared_heads=shared)
+        for r in range(3)
+    ]
+    caches = [torch.randn(40, heads, bs, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
+    alone, dues, want = [c.clone() for c in caches], [], []
+    owned = torch.randperm(40, generator=gen).view(4, 10)  # each request's own blocks, in no order
+    for r, (config, p) in enumerate(zip(configs, pinned, strict=True)):
+        n, blocks = p + budget + window, owned[r]
+        earlier = None if r == 0 else torch.randint(p, 10_000, (layers, heads, budget), generator=gen)
+        positions = compaction.candidate_positions(earlier, layers, heads, n, 9 * r, p)
+        queries = torch.randn(layers, q_heads, window, d, generator=gen)
+        policy = policies.for_config(config)
+        want.append(compaction.compact(alone, blocks, n, queries, positions, config, policy, r + 2, 2, p))
+        dues.append(compaction.Due(blocks, n, p, r + 2, config.seed, queries, positions))
+    return caches, dues, configs, alone, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("pins", [False, True], ids=["compress", "pin"])
+@pytest.mark.parametrize("policy_name", policies.available())
+def test_stacked_eviction_keeps_exactly_what_one_call_per_request_keeps(policy_name, pins, dtype):
+    """Every registered policy: three requests evicted by one `compact_stacked` call (all layers, one policy
+    call, one read and one write per layer) leave the same bytes in every block, and the same kept positions,
+    as one `compact` call per request and layer. Seeds, rounds, dropped counts and prompts differ per request."""
+    caches, dues, configs, alone, want = _stack_case(policy_name, dtype, pins)
+    policy = policies.for_config(configs[0])
+    keys = {compaction.stack_key(config, policy, due, 8) for config, due in zip(configs, dues, strict=True)}
+    assert len(keys) == 1 and None not in keys  # the seed is not in the key: it keys each row's noise
+    got = compaction.compact_stacked(caches, dues, configs[0], policy, head_offset=2)
+    for layer in range(len(caches)):
+        assert torch.equal(caches[layer], alone[layer])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_stacked_eviction_with_head_shared_picks():
+    caches, dues, configs, alone, want = _stack_case("vase", torch.float32, pins=False, shared=True)
+    got = compaction.compact_stacked(caches, dues, configs[0], policies.for_config(configs[0]), head_offset=2)
+    assert all(torch.equal(a, b) for a, b in zip(caches, alone, strict=True))
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert torch.equal(got[0][:, 0], got[0][:, 1])  # one set of positions for both heads (the first eviction)
+
+
+def test_what_stacks_and_what_evicts_alone():
+    """Requests stack when their policy, options, budget, window, candidate count and pinned slots in their first
+    written block agree; a priority that draws from a `torch.Generator` of its own, or a `Policy` subclass with a
+    `select` of its own, evicts alone."""
+    due = compaction.Due(torch.arange(8), 40, 0, 0, 1, torch.zeros(1), torch.zeros(1))
+    config = VaSEConfig(budget=32, window=8, policy="vase", seed=1)
+    key = compaction.stack_key(config, policies.for_config(config), due, 8)
+    other_seed = VaSEConfig(budget=32, window=8, policy="vase", seed=2)
+    assert compaction.stack_key(other_seed, policies.for_config(other_seed), due, 8) == key
+    for changed in (dict(policy="snapkv"), dict(budget=31), dict(window=7), dict(temperature=0.5)):
+        other = VaSEConfig(**{**dict(budget=32, window=8, policy="vase", seed=1), **changed})
+        assert compaction.stack_key(other, policies.for_config(other), due, 8) != key, changed
+    pinned = compaction.Due(torch.arange(8), 43, 3, 0, 1, torch.zeros(1), torch.zeros(1))
+    assert compaction.stack_key(config, policies.for_config(config), pinned, 8) != key  # 3 pinned in its block
+
+    def own_draws(valid, generator):
+        return torch.rand(valid.shape, generator=generator)
+
+    assert compaction.stack_key(config, Policy("own-draws", own_draws, {}), due, 8) is None
+
+    class OwnSelect(Policy):
+        def select(self, *args, **kwargs):
+            return super().select(*args, **kwargs)
+
+    assert compaction.stack_key(config, OwnSelect("own-select", policies.get("streaming").priority, {}), due, 8) is None

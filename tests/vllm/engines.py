@@ -44,9 +44,10 @@ def worker_state(worker: Any) -> dict[str, Any]:
     """What the plugin holds in a worker (run through `LLM.collective_rpc`)."""
     state = getattr(worker.model_runner, "vasepatch", None)
     if state is None:
-        return {"evictions": 0, "requests": 0, "ring_bytes": 0, "generators_restored": 0}
+        return {"evictions": 0, "policy_calls": 0, "requests": 0, "ring_bytes": 0, "generators_restored": 0}
     return {
         "evictions": state.evictions,
+        "policy_calls": state.policy_calls,
         "requests": len(state.requests),
         "ring_bytes": state.rings.nbytes,
         "generators_restored": state.generators_restored,
@@ -69,6 +70,30 @@ def record_blocks(worker) -> None:
         return result
 
     runner._update_states = noting
+
+
+def record_eviction_steps(worker) -> None:
+    """From now on the worker notes, at every step that evicts, the policy of each due request, how many
+    eviction calls it made for them, and each one's eviction round (`collective_rpc`; read with
+    `eviction_steps`)."""
+    from vasepatch.integration.vllm.patches import _worker
+
+    state = _worker(worker.model_runner)
+    state.steps_seen, evict = [], state.evict
+
+    def noting(runner, due):
+        before = state.policy_calls
+        evict(runner, due)
+        policies = [state.requests[req_id].config.policy for req_id, _ in due]
+        state.steps_seen.append((policies, state.policy_calls - before, [order.round for _, order in due]))
+
+    state.evict = noting
+
+
+def eviction_steps(worker) -> list[tuple[list[str], int, list[int]]]:
+    """`(policies of the due requests, eviction calls, their rounds)` of every step that evicted
+    (`record_eviction_steps`)."""
+    return worker.model_runner.vasepatch.steps_seen
 
 
 def seen_blocks(worker) -> dict[str, list[list[int]]]:

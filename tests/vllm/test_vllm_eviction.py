@@ -11,7 +11,7 @@ import torch
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
-from tests.vllm.engines import engine, worker_state
+from tests.vllm.engines import engine, eviction_steps, record_eviction_steps, worker_state
 
 BUDGET, WINDOW, NEW = 128, 32, 60
 BLOCK = 32  # the engine's block size (tests/vllm/engines.py)
@@ -78,6 +78,31 @@ def test_a_budget_off_the_block_size_evicting_with_the_sampling_seed(llm, smollm
     assert vllm_tokens(llm, [prompt], params)[0] == want
     default_seed = transformers_tokens(smollm2_path, prompt, seed=0, **settings)  # what ignoring seed=7 would give
     assert default_seed != want  # the seed changes the kept sets: the comparison above is not vacuous
+
+
+@pytest.mark.timeout(600)
+def test_requests_due_at_one_step_evict_in_one_call_per_policy_with_their_own_tokens(llm, smollm2_path, prompt):
+    """Four requests of one prompt length, three `vase` (seeds 0, 1, 2) and one `snapkv`: at every step, the due
+    requests of one policy are evicted by one stacked call (the worker's own count), and each request's greedy
+    tokens equal the transformers cache's, run alone with its seed: stacking changes no kept set. (vLLM prefills
+    the four in one or two steps, as they reach its engine core: the test counts calls step by step.)"""
+    prompts = [prompt[k:] + prompt[:k] for k in (0, 11, 23, 37)]  # the same length, other tokens
+    asks = [("vase", 0), ("vase", 1), ("vase", 2), ("snapkv", 0)]
+    want = [
+        transformers_tokens(smollm2_path, p, budget=BUDGET, window=WINDOW, policy=policy, seed=seed)
+        for p, (policy, seed) in zip(prompts, asks, strict=True)
+    ]
+    params = [
+        SamplingParams(max_tokens=NEW, min_tokens=NEW, temperature=0, extra_args=evicting(policy, vasepatch_seed=seed))
+        for policy, seed in asks
+    ]
+    llm.collective_rpc(record_eviction_steps)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
+    steps = llm.collective_rpc(eviction_steps)[0]
+    assert sum(len(due) for due, _, _ in steps) == 8  # each prompt compressed, then one decode eviction each
+    assert all(calls == len(set(due)) for due, calls, _ in steps), steps
+    assert any(due.count("vase") >= 2 for due, _, _ in steps)  # requests were stacked: the check is not vacuous
 
 
 @pytest.mark.timeout(600)

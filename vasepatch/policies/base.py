@@ -114,7 +114,7 @@ class Policy:
         if isinstance(generator, KeyedGenerator):
             if self.shared_heads:
                 generator = generator.shared_heads()  # one noise per slot for all heads
-            if not marked_keyed(self.priority):  # a function that calls torch.rand(..., generator=...)
+            if "generator" in self.inputs and not marked_keyed(self.priority):  # calls torch.rand(..., generator=)
                 generator = generator.torch_generator()
         given = {"keys": keys, "values": values, "queries": queries, "positions": positions}
         given.update(valid=valid, n_keep=n_keep, generator=generator)

@@ -159,6 +159,10 @@ class KeyedGenerator:
         self.draws += 1
         return torch.full((), key, device=device, dtype=torch.int64)
 
+    def _rows(self, b: int, device: torch.device) -> torch.Tensor:
+        """The row coordinate of the key's hash: row `i` of the batch is row `i`."""
+        return mixed_indices(0, b, device)
+
     def uniform_candidates(self, shape: torch.Size | tuple[int, ...], device: torch.device) -> torch.Tensor:
         """`[B, H, N]` float32 uniforms in (0, 1), one per (row, KV head, candidate slot)."""
         b, h, n = shape
@@ -169,7 +173,7 @@ class KeyedGenerator:
         else:
             heads = mixed_indices(self.head_offset, h, device)
         # = absorb_tensor(absorb_tensor(absorb_tensor(key, rows), heads), slots): the key-free halves are cached
-        x = absorb_mixed(key, mixed_indices(0, b, device).view(b, 1, 1))
+        x = absorb_mixed(key.view(-1, 1, 1), self._rows(b, device).view(b, 1, 1))
         x = absorb_mixed(x, heads.view(1, h, 1))
         return to_uniform(absorb_mixed(x, mixed_indices(0, n, device).view(1, 1, n)))
 
@@ -177,6 +181,50 @@ class KeyedGenerator:
         """Standard normal float32 noise of any `shape`, keyed by the flat index (Box-Muller)."""
         key = self._next_key(device)
         flat = mixed_indices(0, 2 * math.prod(shape), key.device).view(*shape, 2)  # = absorb_tensor(key, index)
+        key = key if key.dim() == 0 else key.view(-1, *(1 for _ in shape), 1)  # stacked: one key per row
         u = to_uniform(absorb_mixed(key, flat))
         radius = torch.sqrt(-2.0 * torch.log(u[..., 0]))
         return radius * torch.cos((2.0 * math.pi) * u[..., 1])
+
+
+class StackedKeyedGenerator(KeyedGenerator):
+    """The generators of several evictions stacked along the batch, for one policy call on their stacked
+    candidates: key `i` owns rows `i * rows .. i * rows + rows - 1`, which draw exactly what
+    `KeyedGenerator(*keys[i], head_offset)` draws for a batch of `rows` (one vLLM request per key: `rows=1`;
+    one layer of a batch per key: `rows=batch`). `normal(shape)` is `[B, *shape]`, one draw per row. There is
+    no `torch_generator()`: a priority function that is not marked `draws_keyed_noise` draws from one
+    `torch.Generator` per eviction and cannot be stacked.
+    """
+
+    def __init__(self, keys, head_offset: int = 0, device=None, shared: bool = False, rows: int = 1) -> None:
+        self.keys = [(int(s), int(layer), int(e)) for s, layer, e in keys]
+        if not self.keys or rows < 1:
+            raise ValueError(f"StackedKeyedGenerator needs (seed, layer, eviction) keys and rows >= 1, got {rows}")
+        super().__init__(*self.keys[0], head_offset, device, shared)
+        self.rows = rows
+        self.row_keys = [absorb(absorb(absorb(0, s), layer), e) for s, layer, e in self.keys for _ in range(rows)]
+
+    def __repr__(self) -> str:
+        return (
+            f"StackedKeyedGenerator({len(self.keys)} keys, rows={self.rows}, head_offset={self.head_offset}, "
+            f"shared={self.shared})"
+        )
+
+    def shared_heads(self) -> StackedKeyedGenerator:
+        return StackedKeyedGenerator(self.keys, self.head_offset, self.device, shared=True, rows=self.rows)
+
+    def torch_generator(self) -> torch.Generator:
+        raise TypeError(
+            "a StackedKeyedGenerator has one key per row and no torch.Generator: only a priority function "
+            "marked draws_keyed_noise can draw from stacked evictions"
+        )
+
+    def _next_key(self, device: torch.device) -> torch.Tensor:
+        keys = [absorb(key, self.draws) for key in self.row_keys]
+        self.draws += 1
+        return torch.tensor(keys, device=device, dtype=torch.int64)
+
+    def _rows(self, b: int, device: torch.device) -> torch.Tensor:
+        if b != len(self.row_keys):
+            raise ValueError(f"a draw of {b} rows from a StackedKeyedGenerator of {len(self.row_keys)} rows")
+        return mixed_indices(0, self.rows, device).repeat(len(self.keys))  # each key's rows are rows 0, 1, ...

@@ -169,9 +169,11 @@ def sink_mask(positions: torch.Tensor, valid: torch.Tensor, sinks: int) -> torch
 
 def gaussian_projection(dim: int, rank: int, device: torch.device, generator: Randomness = None) -> torch.Tensor:
     """A `[dim, rank]` Gaussian sketch scaled by `1/sqrt(rank)` (float32). From a `KeyedGenerator`
-    it is keyed by its entries' indices only (the same for every head and rank)."""
+    it is keyed by its entries' indices only (the same for every head and rank); from a
+    `StackedKeyedGenerator` it is `[B, 1, dim, rank]`, each row's own sketch, for all its heads."""
     if isinstance(generator, KeyedGenerator):
         g = generator.normal((dim, rank), device)
+        g = g.unsqueeze(1) if g.dim() == 3 else g
     else:
         g = torch.randn((dim, rank), device=device, generator=generator, dtype=torch.float32)
     return g * (1.0 / math.sqrt(rank))

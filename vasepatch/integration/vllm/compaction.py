@@ -8,6 +8,12 @@ them. The choice is `vasepatch.cache.eviction
 of the older ones are chosen by the policy from the window's queries, and the kept slots are gathered
 in sequence order to slots `pinned..pinned+budget-1`.
 
+`compact_stacked` evicts several requests that are due at one step in one policy call: every (request,
+layer) is a row of one stacked batch, with its own key (`StackedKeyedGenerator`), read and written with
+one `index_select` and one `index_copy_` per layer. It keeps exactly what `compact` keeps for each
+request (the plugin's tests compare the bytes for every policy); requests stack when `stack_key` says
+they can.
+
 The randomness is the transformers cache's: a `KeyedGenerator` of `(seed, layer, eviction round)` and
 the global KV head, the request being row 0, so a request evicts exactly as `vasepatch.patch` evicts a
 batch of one with the same seed, and its kept sets depend on nothing else: not on the other requests
@@ -16,7 +22,8 @@ in vLLM's batch, nor on how tensor parallelism shards the heads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +31,7 @@ from vasepatch.cache.eviction import gather_slots, kept_slots
 from vasepatch.config import VaSEConfig
 from vasepatch.integration.vllm import paged_layout
 from vasepatch.policies import Policy
-from vasepatch.policies.keyed import KeyedGenerator
+from vasepatch.policies.keyed import KeyedGenerator, StackedKeyedGenerator, marked_keyed
 
 
 def candidate_positions(
@@ -80,3 +87,61 @@ def compact(
         paged_layout.write_slots(cache, tail, gather_slots(keys, order)[0], gather_slots(values, order)[0])
         kept_positions.append(where.gather(-1, kept)[0])
     return torch.stack(kept_positions)
+
+
+@dataclass(frozen=True)
+class Due:
+    """One request's part of a stacked eviction: its block ids, its slot count `n`, its `pinned` slots, its
+    eviction round and seed, its window's queries `[layers, q_heads, window, head_size]`, and its candidates'
+    positions `[layers, kv_heads, n - pinned]` (`candidate_positions`)."""
+
+    blocks: torch.Tensor
+    n: int
+    pinned: int
+    round: int
+    seed: int
+    queries: torch.Tensor
+    positions: torch.Tensor
+
+
+def stack_key(config: VaSEConfig, policy: Policy, due: Due, block_size: int) -> Hashable | None:
+    """Requests with equal keys can be evicted by one `compact_stacked` call: the same policy and options,
+    budget and window, candidate count, and pinned slots in their first written block. None: this one cannot
+    be stacked: a priority function that draws from a `torch.Generator` of its own per eviction, or a `Policy`
+    subclass with a `select` of its own (it may not treat the rows of a batch independently)."""
+    draws_own = "generator" in policy.inputs and not marked_keyed(policy.priority)
+    if draws_own or type(policy).select is not Policy.select:
+        return None
+    shape = (config.budget, config.window, due.n - due.pinned, due.pinned % block_size)
+    return (repr(policy), policy.check_output, *shape)
+
+
+def compact_stacked(
+    caches: Sequence[torch.Tensor], dues: Sequence[Due], config: VaSEConfig, policy: Policy, head_offset: int = 0
+) -> list[torch.Tensor]:
+    """Evict every request of `dues` (equal `stack_key`s; `config`'s budget and window, `policy`) as `compact`
+    would, in one policy call over all layers and requests; returns each one's kept positions."""
+    block_size, layers, count = caches[0].shape[2], len(caches), len(dues)
+    fixed, candidates = dues[0].pinned % block_size, dues[0].n - dues[0].pinned
+    m = fixed + candidates  # the slots read from each request's first written block on
+    nb = -(-m // block_size)
+    blocks = torch.stack([d.blocks[d.pinned // block_size :][:nb] for d in dues])  # [R, nb]
+    read = [paged_layout.read_slots(cache, blocks, m) for cache in caches]  # per layer: [R, H, m, D] twice
+    keys, values = (torch.cat([r[i] for r in read]) for i in (0, 1))  # rows (layer, request)
+    where = torch.stack([d.positions for d in dues], 1).flatten(0, 1).to(keys.device)
+    queries = torch.stack([d.queries for d in dues], 1).flatten(0, 1)
+    generator = StackedKeyedGenerator(
+        [(d.seed, layer, d.round) for layer in range(layers) for d in dues], head_offset, keys.device
+    )
+    valid = torch.ones(where.shape, dtype=torch.bool, device=keys.device)
+    kept = kept_slots(
+        policy, keys[:, :, fixed:], values[:, :, fixed:], where, valid, queries,
+        candidates, config.budget, config.window, generator,
+    )  # fmt: skip
+    order = torch.cat([torch.arange(fixed, device=kept.device).expand(*kept.shape[:2], fixed), kept + fixed], -1)
+    keys, values = gather_slots(keys, order), gather_slots(values, order)
+    for layer, cache in enumerate(caches):
+        rows = slice(layer * count, (layer + 1) * count)
+        paged_layout.write_slots(cache, blocks, keys[rows], values[rows])
+    positions = where.gather(-1, kept).unflatten(0, (layers, count))
+    return [positions[:, i] for i in range(count)]

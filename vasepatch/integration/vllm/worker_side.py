@@ -3,8 +3,9 @@
 Per step, in order (`patches` calls these from vLLM's model runner and attention backend):
 
 1. `before_update` (start of `_update_states`, before vLLM appends this step's new blocks): carry out
-   the scheduler's orders (`compaction.compact`) and cut the request's block list and its row of the
-   persistent batch to the blocks it keeps.
+   the scheduler's orders, every group of requests that stack in one policy call
+   (`compaction.compact_stacked`), and cut each request's block list and its row of the persistent batch
+   to the blocks it keeps.
 2. `after_prepare` (end of `_prepare_inputs`): RoPE positions and token ids stay logical; the
    attention's `seq_lens` become physical (`- dropped`) and the slot mapping is recomputed from
    `positions - dropped`. Then the query rings are told which tokens to keep.
@@ -44,6 +45,7 @@ class WorkerEviction:
         self.requests: dict[str, _Request | None] = {}  # None: the request runs with the full cache
         self.dropped: dict[str, int] = {}
         self.evictions = 0
+        self.policy_calls = 0  # eviction calls made for them: one per group of stacked requests per step
         self.generators_restored = 0  # seeded generators put back after a discarded sample (`patches`)
 
     def settings_of(self, runner: Any, req_id: str) -> _Request | None:
@@ -68,27 +70,50 @@ class WorkerEviction:
                 )
             step = Step()
         self.dropped = step.dropped
-        for req_id, order in step.orders.items():
-            if access.holds(runner, req_id):
-                self.evict(runner, req_id, order)
+        due = [(req_id, order) for req_id, order in step.orders.items() if access.holds(runner, req_id)]
+        if due:
+            self.evict(runner, due)
 
-    def evict(self, runner: Any, req_id: str, order: Order) -> None:
-        state = self.settings_of(runner, req_id)
+    def evict(self, runner: Any, due: list[tuple[str, Order]]) -> None:
+        """Carry out this step's orders: the requests that stack (`compaction.stack_key`) in one policy call
+        per group, any other one by itself; then cut each one's block list to the blocks it keeps."""
         names, caches, isa, block_size = access.layer_caches(runner)
         if isa not in paged_layout.SUPPORTED_ISAS:  # checked when the engine started: never reached
             raise RuntimeError(f"vasepatch cannot evict from vLLM's {isa!r} cache layout")
         if self.evictions == 0 and access.alibi_layers(runner):  # refused by config first; a model it missed
             raise RuntimeError("vasepatch cannot evict from a model with an ALiBi bias (slot positions move)")
-        blocks = access.request_blocks(runner, req_id)
-        heads = caches[0].shape[1]
-        n, pinned = order.n, order.pinned
-        positions = compaction.candidate_positions(state.kept, len(caches), heads, n, order.dropped, pinned)
-        queries = self.rings.queries(req_id, names)
-        state.kept = compaction.compact(
-            caches, blocks, n, queries, positions, state.config, state.policy, order.round, self.head_offset, pinned
+        groups: dict[Any, list[tuple[str, compaction.Due]]] = {}
+        for req_id, order in due:
+            state = self.settings_of(runner, req_id)
+            positions = compaction.candidate_positions(
+                state.kept, len(caches), caches[0].shape[1], order.n, order.dropped, order.pinned
+            )
+            one = compaction.Due(
+                access.request_blocks(runner, req_id), order.n, order.pinned, order.round, state.config.seed,
+                self.rings.queries(req_id, names), positions,
+            )  # fmt: skip
+            key = compaction.stack_key(state.config, state.policy, one, block_size)
+            groups.setdefault((None, req_id) if key is None else key, []).append((req_id, one))
+        for key, members in groups.items():
+            state = self.requests[members[0][0]]
+            dues = [one for _, one in members]
+            for (req_id, one), kept in zip(members, self._compact(caches, dues, state, key[0] is None), strict=True):
+                self.requests[req_id].kept = kept
+                access.cut_blocks(runner, req_id, -(-(one.pinned + state.config.budget) // block_size))
+                self.evictions += 1
+        self.policy_calls += len(groups)
+
+    def _compact(
+        self, caches: list[torch.Tensor], dues: list[compaction.Due], state: _Request, alone: bool
+    ) -> list[torch.Tensor]:
+        config, policy = state.config, state.policy
+        if not alone:
+            return compaction.compact_stacked(caches, dues, config, policy, self.head_offset)
+        (d,) = dues
+        kept = compaction.compact(
+            caches, d.blocks, d.n, d.queries, d.positions, config, policy, d.round, self.head_offset, d.pinned
         )
-        access.cut_blocks(runner, req_id, -(-(order.pinned + state.config.budget) // block_size))
-        self.evictions += 1
+        return [kept]
 
     def after_prepare(self, runner: Any, num_scheduled_tokens: np.ndarray) -> None:
         req_ids, starts, computed = access.batch_rows(runner)
