@@ -95,3 +95,47 @@ def test_tokens_until_eviction_when_twice_the_budget_is_not_a_multiple_of_the_wi
     assert schedule.tokens_until_eviction(5, 4, 9, 3) == 6
     assert schedule.tokens_until_eviction(5, 4, 13, 9) == 4
     assert schedule.tokens_until_eviction(7, 2, 9, 7) == 2
+
+
+# --- vLLM's evictions_per_step: due requests spread over the steps before they are due ---------------------
+
+
+@given(
+    window=st.integers(2, 64),
+    per_step=st.integers(1, 8),
+    arrivals=st.lists(st.integers(0, 40), min_size=1, max_size=40),
+)
+def test_spread_evictions_are_never_late_and_soon_at_most_per_step(window, per_step, arrivals):
+    """Requests whose decode starts at the steps `arrivals` (several at once: they would evict together, every
+    `window` steps), planned step by step by `spread` as the vLLM scheduler plans them. No request ever goes past
+    its due step (the footprint bound), none evicts with nothing to evict, and once `window` steps have passed
+    since the last arrival no step evicts more than `per_step` requests when the load allows it (`per_step`
+    per step over a window holds every request)."""
+    from vasepatch.integration.vllm.scheduler_side import spread
+
+    since = {}  # request -> decode steps since its last eviction (or its start)
+    counts = []
+    last = max(arrivals)
+    for t in range(last + 4 * window):
+        since.update({r: 0 for r, start in enumerate(arrivals) if start == t})
+        left = {r: window - s for r, s in since.items()}
+        assert all(v >= 0 for v in left.values())  # never past due
+        due = [r for r, v in left.items() if v == 0]
+        early = sorted((v, r) for r, v in left.items() if 0 < v < window)  # something to evict
+        pulled = spread(len(due), [v for v, _ in early], per_step)
+        assert 0 <= pulled <= len(early)
+        evicted = due + [r for _, r in early[:pulled]]
+        counts.append(len(evicted))
+        since = {r: (0 if r in evicted else s) + 1 for r, s in since.items()}
+    if len(arrivals) <= per_step * (window - 1):
+        assert max(counts[last + window :]) <= per_step
+
+
+def test_spread_pulls_a_synchronised_burst_apart_once():
+    """16 requests due together every 32 steps, 4 per step: the three steps before they are due take 4 each."""
+    from vasepatch.integration.vllm.scheduler_side import spread
+
+    assert [spread(0, [left] * 16, 4) for left in (5, 4)] == [0, 0]
+    assert spread(0, [3] * 16, 4) == 4  # 12 more fit in the 3 steps after this one
+    assert spread(0, [2] * 12, 4) == 4 and spread(0, [1] * 8, 4) == 4 and spread(4, [], 4) == 0
+    assert spread(16, [], 4) == 0 and spread(3, [1] * 5, None) == 0  # never deferred; no cap, nothing pulled

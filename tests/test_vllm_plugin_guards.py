@@ -126,6 +126,8 @@ def test_caps_default_to_the_engine_and_never_below_its_own_settings():
         ("max_request_budget", True, "must be a positive integer"),
         ("max_request_budget", "64", "must be a positive integer"),
         ("request_settings", 1, "must be true or false"),
+        ("evictions_per_step", 0, r"must be a positive integer \(or unset: no spreading\), got 0"),
+        ("evictions_per_step", 1.5, "must be a positive integer"),
     ],
 )
 def test_a_bad_cap_stops_the_engine_naming_it(key, value, text):

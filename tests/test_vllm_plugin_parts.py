@@ -246,6 +246,31 @@ def test_the_plan_evicts_as_the_transformers_cache_does_and_frees_the_tail():
     assert req.vasepatch.dropped == 10 + 3 * window
 
 
+def test_the_plan_spreads_requests_due_together_over_the_steps_before():
+    """`evictions_per_step: 1` and three requests that decode in step: the first round (their prompts) is due
+    for all three at once and all evict; the next round takes one request at each of the three steps up to the
+    due one, each evicting what it holds (fewer slots for the two pulled early); later rounds stay apart."""
+    budget, window, bs = 40, 8, 8
+    asks = {"vasepatch_budget": budget, "vasepatch_window": window}
+    reqs = [_request(r, 50, asks) for r in "abc"]
+    scheduler, manager = _scheduler(reqs, bs, engine={"vasepatch": {"evictions_per_step": 1}})
+    manager.req_to_blocks = {r: list(range(7)) for r in "abc"}
+    rounds = []
+    for computed in range(50, 50 + 3 * window):
+        for req in reqs:
+            _decode(req, computed)
+        step = scheduler_side.plan(scheduler)
+        rounds.append({rid: (order.n, order.round) for rid, order in step.orders.items()})
+    assert rounds[0] == {"a": (50, 0), "b": (50, 0), "c": (50, 0)}
+    evicting = [(i, r) for i, r in enumerate(rounds[1:], 1) if r]
+    assert [len(r) for _, r in evicting] == [1] * len(evicting)  # one request per step after the prompts
+    first_decode = [r for _, r in evicting[:3]]
+    assert sorted(n for r in first_decode for n, _ in r.values()) == [budget + window - 2, budget + window - 1,
+                                                                      budget + window]  # fmt: skip
+    assert all(rnd == 1 for r in first_decode for _, rnd in r.values())
+    assert all(n == budget + window for _, r in evicting[3:] for n, _ in r.values())  # apart: each when due
+
+
 def test_a_preempted_request_starts_over_and_physical_counts_slots():
     req = _request("a", 10, {"vasepatch_budget": 40, "vasepatch_window": 8})
     scheduler, _ = _scheduler([req])

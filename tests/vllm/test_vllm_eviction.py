@@ -11,7 +11,14 @@ import torch
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
-from tests.vllm.engines import engine, eviction_steps, record_eviction_steps, worker_state
+from tests.vllm.engines import (
+    engine,
+    eviction_steps,
+    record_blocks,
+    record_eviction_steps,
+    seen_blocks,
+    worker_state,
+)
 
 BUDGET, WINDOW, NEW = 128, 32, 60
 BLOCK = 32  # the engine's block size (tests/vllm/engines.py)
@@ -103,6 +110,27 @@ def test_requests_due_at_one_step_evict_in_one_call_per_policy_with_their_own_to
     assert sum(len(due) for due, _, _ in steps) == 8  # each prompt compressed, then one decode eviction each
     assert all(calls == len(set(due)) for due, calls, _ in steps), steps
     assert any(due.count("vase") >= 2 for due, _, _ in steps)  # requests were stacked: the check is not vacuous
+
+
+@pytest.mark.timeout(600)
+def test_evictions_per_step_spreads_requests_that_start_together(smollm2_path, prompt):
+    """An engine with `evictions_per_step: 1`: four requests that start together compress their prompts at once
+    (each is due), then their decode evictions are pulled apart, one per step, and stay apart; every request
+    still gets all its tokens, and never holds more than `budget + window` slots (vLLM's block counter)."""
+    spread = {"vasepatch": {"budget": BUDGET, "window": WINDOW, "policy": "vase", "evictions_per_step": 1}}
+    with engine(smollm2_path, max_num_batched_tokens=8192, additional_config=spread) as llm:
+        llm.collective_rpc(record_eviction_steps)
+        llm.collective_rpc(record_blocks)
+        prompts = [prompt[k:] + prompt[:k] for k in (0, 11, 23, 37)]
+        params = SamplingParams(max_tokens=3 * WINDOW + 4, min_tokens=3 * WINDOW + 4, temperature=0)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        steps = llm.collective_rpc(eviction_steps)[0]
+        most = max(len(b) for runs in llm.collective_rpc(seen_blocks)[0].values() for b in runs[1:])
+    assert all(len(o.outputs[0].token_ids) == 3 * WINDOW + 4 for o in outputs)
+    decode = [rounds for _, _, rounds in steps if min(rounds) >= 1]
+    assert sum(len(r) for r in decode) == 4 * 3  # three decode evictions each
+    assert max(len(r) for r in decode) == 1, steps  # one request per step
+    assert most <= -(-(BUDGET + WINDOW) // BLOCK)  # evicting early never holds more
 
 
 @pytest.mark.timeout(600)

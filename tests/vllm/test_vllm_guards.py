@@ -110,8 +110,10 @@ def test_the_info_line_says_what_the_engine_will_do(smollm2_path, tmp_path):
 
     line = requirements.active_line(_engine_config(smollm2_path, {"budget": 64, "window": 16}))
     assert "engine settings {'budget': 64, 'window': 16}; prefill 'compress' unless set (prefix caching off); " \
-        "requests capped at budget 4096, window 512" in line  # fmt: skip
+        "every request evicts when due; requests capped at budget 4096, window 512" in line  # fmt: skip
     assert "67.5 KiB per window token" in line and "refused here" not in line
+    spread = requirements.active_line(_engine_config(smollm2_path, {"budget": 128, "evictions_per_step": 4}))
+    assert "; evictions spread, 4 per step;" in spread
     line = requirements.active_line(_engine_config(smollm2_path, {}, enable_prefix_caching=True))
     assert "no engine settings (requests opt in with vasepatch_* keys); prefill 'pin' unless set (prefix " \
         "caching on)" in line and "refused here" not in line  # fmt: skip

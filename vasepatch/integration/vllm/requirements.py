@@ -123,6 +123,7 @@ def check_engine(vllm_config: Any) -> None:
             f"{exc.parameter}: {exc}{_defaults_named(str(exc), additional)}", exc.parameter
         ) from None
     limits(vllm_config)  # the operator's caps, checked whether or not the engine evicts by default
+    settings.evictions_per_step(additional)
     if config is None:  # no defaults, or policy "full": checked when a request asks for eviction
         return
     engine, by_setting = problems(vllm_config), config_problems(vllm_config, config)
@@ -202,6 +203,8 @@ def active_line(vllm_config: Any) -> str:
     caching = access.prefix_caching(vllm_config)
     prefill = settings.default_prefill(caching)
     evicts += f"; prefill {prefill!r} unless set (prefix caching {'on' if caching else 'off'})"
+    per_step = settings.evictions_per_step(vllm_config.additional_config)
+    evicts += "; every request evicts when due" if per_step is None else f"; evictions spread, {per_step} per step"
     asks = f"requests capped at budget {caps.budget}, window {caps.window}"
     if not caps.requests_allowed:
         asks = "no per-request settings"

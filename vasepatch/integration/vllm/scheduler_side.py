@@ -10,6 +10,10 @@ out the order at the start of the same step, before anything writes to those blo
 `dropped` (positions evicted so far) lives on the request; block math is made physical by subtracting
 it while vLLM allocates (`physical`), and it travels to the worker with every step (`Step`).
 
+With `evictions_per_step` (engine-wide) the scheduler evicts some requests a few steps before they are due, so
+that requests that started together (and would all evict at the same steps, every `window` steps, each one
+a pause for every request in flight) spread their evictions over consecutive steps (`spread`).
+
 With `prefill="pin"` the prompt's `pinned` slots are never evicted nor written: the schedule runs with
 `pinned + budget` as its budget, and the prefix cache publishes and shares only the prompt's full blocks
 (`cacheable`), which the compaction never reaches.
@@ -17,7 +21,7 @@ With `prefill="pin"` the prompt's `pinned` slots are never evicted nor written: 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,9 +94,29 @@ def cacheable(request: Any) -> int | None:
     return state.pinned
 
 
+def spread(due_now: int, steps_left: Sequence[int], per_step: int | None) -> int:
+    """How many of the requests not yet due evict now, `steps_left` (ascending, each >= 1) being the decode
+    steps until each one is due, so that at most `per_step` requests evict at each later step.
+
+    Earliest deadline first: the first `i + 1` of them are all due within `steps_left[i]` steps, and the
+    steps after this one take at most `steps_left[i] * per_step` of them, so the rest evict now. A request is
+    never evicted later than it is due (its footprint stays `pinned + budget + window` slots), only earlier:
+    `per_step` is then a bound at every step but the ones where more requests are due at once than it allows
+    (all of them evict). `due_now` counts those due at this step (they evict whatever `per_step` says)."""
+    if per_step is None:
+        return 0
+    pulled = 0
+    for i, left in enumerate(steps_left):
+        pulled = max(pulled, i + 1 - left * per_step)
+    return pulled
+
+
 def plan(scheduler: Any) -> Step:
-    """Before `schedule()`: issue the orders of the running requests that are due, and free their tails."""
+    """Before `schedule()`: issue the orders of the running requests that are due (and, with
+    `evictions_per_step`, of those that `spread` evicts early), and free their tails."""
     step = Step()
+    per_step = settings.evictions_per_step(access.engine_config(scheduler))
+    due, early = [], []
     for request in access.running(scheduler):
         state = state_of(request, scheduler)
         config = state.config
@@ -101,10 +125,16 @@ def plan(scheduler: Any) -> Step:
         first, state.prefilled = not state.prefilled, True
         phys, keep = access.computed_tokens(request) - state.dropped, state.pinned + config.budget
         if evict_now(keep, config.window, keep + config.window, phys, first_step=first, prefill="compress"):
-            step.orders[access.request_id(request)] = Order(phys, state.dropped, state.rounds, state.pinned)
-            state.dropped += phys - keep
-            state.rounds += 1
-            access.free_tail(scheduler, access.request_id(request), keep)
+            due.append((request, state, phys, keep))
+        elif per_step is not None and phys > keep:  # something to evict: it could go early
+            early.append((keep + config.window - phys, request, state, phys, keep))
+    early.sort(key=lambda e: e[0])
+    pulled = spread(len(due), [e[0] for e in early], per_step)
+    for request, state, phys, keep in due + [e[1:] for e in early[:pulled]]:
+        step.orders[access.request_id(request)] = Order(phys, state.dropped, state.rounds, state.pinned)
+        state.dropped += phys - keep
+        state.rounds += 1
+        access.free_tail(scheduler, access.request_id(request), keep)
     return step
 
 

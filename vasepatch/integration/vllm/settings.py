@@ -15,6 +15,8 @@ them, so the API server, the scheduler and the workers read the same settings th
 - Operator limits, engine-only (`LIMIT_FIELDS`): per-request settings come from HTTP clients, so the
   engine caps what a request may ask for (`Limits`: the largest budget and window, or no per-request
   settings at all). A request over a cap is refused (HTTP 400) naming the cap.
+- Scheduling, engine-only (`SCHEDULE_FIELDS`): `evictions_per_step` spreads the evictions of requests that
+  would all evict at one step over the steps before it (`evictions_per_step`, `scheduler_side.spread`).
 
 Every value is checked as `VaSEConfig` checks it, with the same messages, plus the policy's options
 (`vasepatch.policies.for_config`).
@@ -47,6 +49,7 @@ ENGINE_FIELDS = (
 )
 REQUEST_FIELDS = tuple(f for f in ENGINE_FIELDS if f != "policy_options")  # flat values only
 LIMIT_FIELDS = ("max_request_budget", "max_request_window", "request_settings")  # the operator's, engine-only
+SCHEDULE_FIELDS = ("evictions_per_step",)  # engine-only: how the scheduler spreads the evictions of its requests
 DEFAULT_MAX_WINDOW = 512  # the default cap on a request's window (with max_model_len): its query rings' size
 DEFAULT_SEED = 0  # a request with no seed anywhere: the same kept sets run after run
 PREFILL_MODES = ("compress", "pin")  # vLLM's; "keep" sizes a buffer by the prompt, which a paged pool has not
@@ -76,9 +79,9 @@ def _engine_raw(additional_config: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     if not isinstance(raw, Mapping):
         raise SettingsError(f"{ENGINE_WHERE} must be a JSON object of VaSE settings, got {raw!r}", ENGINE_WHERE)
-    unknown = sorted(set(raw) - set(ENGINE_FIELDS) - set(LIMIT_FIELDS))
+    unknown = sorted(set(raw) - set(ENGINE_FIELDS) - set(LIMIT_FIELDS) - set(SCHEDULE_FIELDS))
     if unknown:
-        allowed = ", ".join((*ENGINE_FIELDS, *LIMIT_FIELDS))
+        allowed = ", ".join((*ENGINE_FIELDS, *LIMIT_FIELDS, *SCHEDULE_FIELDS))
         raise SettingsError(
             f"{ENGINE_WHERE} has unknown setting(s) {', '.join(map(repr, unknown))}; allowed: {allowed}",
             f"{ENGINE_WHERE}[{unknown[0]!r}]",
@@ -148,6 +151,16 @@ def engine_limits(additional_config: Mapping[str, Any] | None, max_model_len: in
         if key != "request_settings" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise SettingsError(f"{where} must be a positive integer, got {value!r}", where)
     return Limits(values["max_request_budget"], values["max_request_window"], values["request_settings"])
+
+
+def evictions_per_step(additional_config: Mapping[str, Any] | None) -> int | None:
+    """`evictions_per_step`: the number of requests the scheduler aims to evict at one step (a positive int), or
+    None (unset: every request evicts when it is due, `scheduler_side.spread`)."""
+    value = _engine_raw(additional_config).get("evictions_per_step")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        where = f"{ENGINE_WHERE}['evictions_per_step']"
+        raise SettingsError(f"{where} must be a positive integer (or unset: no spreading), got {value!r}", where)
+    return value
 
 
 def request_settings(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
