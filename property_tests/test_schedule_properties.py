@@ -122,7 +122,7 @@ def test_spread_evictions_are_never_late_and_soon_at_most_per_step(window, per_s
         assert all(v >= 0 for v in left.values())  # never past due
         due = [r for r, v in left.items() if v == 0]
         early = sorted((v, r) for r, v in left.items() if 0 < v < window)  # something to evict
-        pulled = spread(len(due), [v for v, _ in early], per_step)
+        pulled = spread([v for v, _ in early], per_step)
         assert 0 <= pulled <= len(early)
         evicted = due + [r for _, r in early[:pulled]]
         counts.append(len(evicted))
@@ -135,7 +135,7 @@ def test_spread_pulls_a_synchronised_burst_apart_once():
     """16 requests due together every 32 steps, 4 per step: the three steps before they are due take 4 each."""
     from vasepatch.integration.vllm.scheduler_side import spread
 
-    assert [spread(0, [left] * 16, 4) for left in (5, 4)] == [0, 0]
-    assert spread(0, [3] * 16, 4) == 4  # 12 more fit in the 3 steps after this one
-    assert spread(0, [2] * 12, 4) == 4 and spread(0, [1] * 8, 4) == 4 and spread(4, [], 4) == 0
-    assert spread(16, [], 4) == 0 and spread(3, [1] * 5, None) == 0  # never deferred; no cap, nothing pulled
+    assert [spread([left] * 16, 4) for left in (5, 4)] == [0, 0]
+    assert spread([3] * 16, 4) == 4  # 12 more fit in the 3 steps after this one
+    assert spread([2] * 12, 4) == 4 and spread([1] * 8, 4) == 4 and spread([], 4) == 0
+    assert spread([1] * 5, None) == 0  # no cap: nothing pulled

@@ -14,8 +14,9 @@ from vasepatch.config import VaSEConfig
 from vasepatch.integration.vllm import compaction, paged_layout, scheduler_side, settings
 from vasepatch.integration.vllm.query_rings import QueryRings
 from vasepatch.integration.vllm.worker_side import WorkerEviction
+from vasepatch.policies import scoring
 from vasepatch.policies.base import Policy
-from vasepatch.policies.keyed import KeyedGenerator
+from vasepatch.policies.keyed import KeyedGenerator, draws_keyed_noise
 
 # --- settings -------------------------------------------------------------------------------------------
 
@@ -510,8 +511,32 @@ def test_what_stacks_and_what_evicts_alone():
 
     assert compaction.stack_key(config, Policy("own-draws", own_draws, {}), due, 8) is None
 
+    @draws_keyed_noise
+    def users_keyed(valid, generator):  # keyed, but a user's: it keeps the KeyedGenerator it was written for
+        return scoring.uniform_noise(valid.shape, valid.device, generator)
+
+    assert compaction.stack_key(config, Policy("users-keyed", users_keyed, {}), due, 8) is None
+
     class OwnSelect(Policy):
         def select(self, *args, **kwargs):
             return super().select(*args, **kwargs)
 
     assert compaction.stack_key(config, OwnSelect("own-select", policies.get("streaming").priority, {}), due, 8) is None
+
+
+def test_a_large_group_is_stacked_in_chunks_that_keep_the_same(monkeypatch):
+    """`chunks` bounds what one stacked call reads: with room for one request per call, the three requests go
+    in three calls and keep, byte for byte, what one call per request keeps."""
+    caches, dues, configs, alone, want = _stack_case("vase", torch.float32, pins=False)
+    per_request = 3 * 2 * (20 + 4) * 32 * 4  # layers, KV heads, slots read, K and V of head size 16, float32
+    assert [len(c) for c in compaction.chunks(dues, caches)] == [3]
+    monkeypatch.setattr(compaction, "STACK_BYTES", per_request * 2 - 1)
+    parts = compaction.chunks(dues, caches)
+    assert [len(c) for c in parts] == [1, 1, 1] and [d for c in parts for d in c] == dues
+    monkeypatch.setattr(compaction, "STACK_BYTES", per_request * 2)
+    parts = compaction.chunks(dues, caches)
+    assert [len(c) for c in parts] == [2, 1]
+    policy = policies.for_config(configs[0])
+    got = [k for c in parts for k in compaction.compact_stacked(caches, c, configs[0], policy, head_offset=2)]
+    assert all(torch.equal(a, b) for a, b in zip(caches, alone, strict=True))
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

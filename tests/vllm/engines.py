@@ -44,10 +44,10 @@ def worker_state(worker: Any) -> dict[str, Any]:
     """What the plugin holds in a worker (run through `LLM.collective_rpc`)."""
     state = getattr(worker.model_runner, "vasepatch", None)
     if state is None:
-        return {"evictions": 0, "policy_calls": 0, "requests": 0, "ring_bytes": 0, "generators_restored": 0}
+        return {"evictions": 0, "eviction_calls": 0, "requests": 0, "ring_bytes": 0, "generators_restored": 0}
     return {
         "evictions": state.evictions,
-        "policy_calls": state.policy_calls,
+        "eviction_calls": state.eviction_calls,
         "requests": len(state.requests),
         "ring_bytes": state.rings.nbytes,
         "generators_restored": state.generators_restored,
@@ -82,10 +82,10 @@ def record_eviction_steps(worker) -> None:
     state.steps_seen, evict = [], state.evict
 
     def noting(runner, due):
-        before = state.policy_calls
+        before = state.eviction_calls
         evict(runner, due)
         policies = [state.requests[req_id].config.policy for req_id, _ in due]
-        state.steps_seen.append((policies, state.policy_calls - before, [order.round for _, order in due]))
+        state.steps_seen.append((policies, state.eviction_calls - before, [order.round for _, order in due]))
 
     state.evict = noting
 

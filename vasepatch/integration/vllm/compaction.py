@@ -12,7 +12,7 @@ in sequence order to slots `pinned..pinned+budget-1`.
 layer) is a row of one stacked batch, with its own key (`StackedKeyedGenerator`), read and written with
 one `index_select` and one `index_copy_` per layer. It keeps exactly what `compact` keeps for each
 request (the plugin's tests compare the bytes for every policy); requests stack when `stack_key` says
-they can.
+they can, in `chunks` of at most `STACK_BYTES` read.
 
 The randomness is the transformers cache's: a `KeyedGenerator` of `(seed, layer, eviction round)` and
 the global KV head, the request being row 0, so a request evicts exactly as `vasepatch.patch` evicts a
@@ -32,6 +32,8 @@ from vasepatch.config import VaSEConfig
 from vasepatch.integration.vllm import paged_layout
 from vasepatch.policies import Policy
 from vasepatch.policies.keyed import KeyedGenerator, StackedKeyedGenerator, marked_keyed
+
+STACK_BYTES = 64 * 2**20  # keys and values one stacked call reads, at most (a larger group is chunked)
 
 
 def candidate_positions(
@@ -105,15 +107,28 @@ class Due:
 
 
 def stack_key(config: VaSEConfig, policy: Policy, due: Due, block_size: int) -> Hashable | None:
-    """Requests with equal keys can be evicted by one `compact_stacked` call: the same policy and options,
-    budget and window, candidate count, and pinned slots in their first written block. None: this one cannot
-    be stacked: a priority function that draws from a `torch.Generator` of its own per eviction, or a `Policy`
-    subclass with a `select` of its own (it may not treat the rows of a batch independently)."""
+    """Requests with equal keys can be evicted by one `compact_stacked` call: the same policy (function and
+    options) and pick checks, budget and window, candidate count, and pinned slots in their first written
+    block. None: this one evicts alone (`compact`): a priority function that is not vasepatch's own (a user's
+    policy keeps the `KeyedGenerator` it was written for), that draws from a `torch.Generator` of its own, or a
+    `Policy` subclass with a `select` of its own (it may not treat the rows of a batch independently)."""
     draws_own = "generator" in policy.inputs and not marked_keyed(policy.priority)
-    if draws_own or type(policy).select is not Policy.select:
+    ours = getattr(policy.priority, "__module__", "").startswith("vasepatch.policies.")
+    if draws_own or not ours or type(policy).select is not Policy.select:
         return None
     shape = (config.budget, config.window, due.n - due.pinned, due.pinned % block_size)
-    return (repr(policy), policy.check_output, *shape)
+    return (repr(policy), id(policy.priority), policy.check_output, *shape)
+
+
+def chunks(dues: Sequence[Due], caches: Sequence[torch.Tensor]) -> list[list[Due]]:
+    """`dues` (of one `stack_key`) in runs of at most `STACK_BYTES` of keys and values read (at least one
+    request each), so that a stacked call's temporaries stay bounded however many requests are due at once.
+    Rows are independent: a chunk keeps what the whole group would."""
+    heads, block_size, two_d = caches[0].shape[1:]
+    m = dues[0].pinned % block_size + dues[0].n - dues[0].pinned
+    per_request = len(caches) * heads * m * two_d * caches[0].element_size()
+    size = max(1, STACK_BYTES // per_request)
+    return [list(dues[i : i + size]) for i in range(0, len(dues), size)]
 
 
 def compact_stacked(

@@ -94,15 +94,17 @@ def cacheable(request: Any) -> int | None:
     return state.pinned
 
 
-def spread(due_now: int, steps_left: Sequence[int], per_step: int | None) -> int:
-    """How many of the requests not yet due evict now, `steps_left` (ascending, each >= 1) being the decode
-    steps until each one is due, so that at most `per_step` requests evict at each later step.
+def spread(steps_left: Sequence[int], per_step: int | None) -> int:
+    """How many of the requests not yet due evict now, `steps_left` (ascending, each >= 1) being the tokens
+    until each one is due, so that at most `per_step` of them evict at each later step.
 
-    Earliest deadline first: the first `i + 1` of them are all due within `steps_left[i]` steps, and the
-    steps after this one take at most `steps_left[i] * per_step` of them, so the rest evict now. A request is
-    never evicted later than it is due (its footprint stays `pinned + budget + window` slots), only earlier:
-    `per_step` is then a bound at every step but the ones where more requests are due at once than it allows
-    (all of them evict). `due_now` counts those due at this step (they evict whatever `per_step` says)."""
+    Earliest deadline first: the first `i + 1` of them are all due within `steps_left[i]` steps (one token per
+    decode step), and the steps after this one take at most `steps_left[i] * per_step` of them, so the rest
+    evict now. The requests due at this step evict whatever `per_step` says. A request is never evicted later
+    than it is due (its footprint stays `pinned + budget + window` slots), only earlier. The bound is an aim,
+    not a guarantee: more requests due at once than it allows all evict (prompts compressed together), and a
+    request that is not yet a candidate (nothing past its budget yet: just evicted with a small window, or
+    just prefilled) is not counted until it is."""
     if per_step is None:
         return 0
     pulled = 0
@@ -129,7 +131,7 @@ def plan(scheduler: Any) -> Step:
         elif per_step is not None and phys > keep:  # something to evict: it could go early
             early.append((keep + config.window - phys, request, state, phys, keep))
     early.sort(key=lambda e: e[0])
-    pulled = spread(len(due), [e[0] for e in early], per_step)
+    pulled = spread([e[0] for e in early], per_step)
     for request, state, phys, keep in due + [e[1:] for e in early[:pulled]]:
         step.orders[access.request_id(request)] = Order(phys, state.dropped, state.rounds, state.pinned)
         state.dropped += phys - keep

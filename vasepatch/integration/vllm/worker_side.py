@@ -45,7 +45,7 @@ class WorkerEviction:
         self.requests: dict[str, _Request | None] = {}  # None: the request runs with the full cache
         self.dropped: dict[str, int] = {}
         self.evictions = 0
-        self.policy_calls = 0  # eviction calls made for them: one per group of stacked requests per step
+        self.eviction_calls = 0  # one per request evicted alone, one per stacked chunk of requests
         self.generators_restored = 0  # seeded generators put back after a discarded sample (`patches`)
 
     def settings_of(self, runner: Any, req_id: str) -> _Request | None:
@@ -97,23 +97,30 @@ class WorkerEviction:
         for key, members in groups.items():
             state = self.requests[members[0][0]]
             dues = [one for _, one in members]
-            for (req_id, one), kept in zip(members, self._compact(caches, dues, state, key[0] is None), strict=True):
-                self.requests[req_id].kept = kept
+            kept = self._compact(caches, dues, state, alone=key[0] is None or len(dues) == 1)
+            for (req_id, one), positions in zip(members, kept, strict=True):
+                self.requests[req_id].kept = positions
                 access.cut_blocks(runner, req_id, -(-(one.pinned + state.config.budget) // block_size))
                 self.evictions += 1
-        self.policy_calls += len(groups)
 
     def _compact(
         self, caches: list[torch.Tensor], dues: list[compaction.Due], state: _Request, alone: bool
     ) -> list[torch.Tensor]:
+        """Each request alone (`compaction.compact`), or the group stacked, a chunk per call."""
         config, policy = state.config, state.policy
-        if not alone:
-            return compaction.compact_stacked(caches, dues, config, policy, self.head_offset)
-        (d,) = dues
-        kept = compaction.compact(
-            caches, d.blocks, d.n, d.queries, d.positions, config, policy, d.round, self.head_offset, d.pinned
-        )
-        return [kept]
+        if alone:
+            self.eviction_calls += len(dues)
+            return [
+                compaction.compact(
+                    caches, d.blocks, d.n, d.queries, d.positions, config, policy, d.round, self.head_offset, d.pinned
+                )
+                for d in dues
+            ]
+        kept = []
+        for chunk in compaction.chunks(dues, caches):
+            kept += compaction.compact_stacked(caches, chunk, config, policy, self.head_offset)
+            self.eviction_calls += 1
+        return kept
 
     def after_prepare(self, runner: Any, num_scheduled_tokens: np.ndarray) -> None:
         req_ids, starts, computed = access.batch_rows(runner)
