@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import hypothesis
 import pytest
 import torch
+from hypothesis import strategies as st
 
 from vasepatch import policies
 from vasepatch.cache.eviction import kept_slots
 from vasepatch.config import VaSEConfig
-from vasepatch.integration.vllm import compaction, paged_layout, scheduler_side, settings
+from vasepatch.integration.vllm import compaction, engine_access, paged_layout, scheduler_side, settings
 from vasepatch.integration.vllm.query_rings import QueryRings
 from vasepatch.integration.vllm.worker_side import WorkerEviction
 from vasepatch.policies import scoring
@@ -198,15 +200,16 @@ class _Manager:
         self.block_pool = SimpleNamespace(free_blocks=lambda blocks: self.freed.extend(blocks))
 
 
-def _scheduler(requests, block_size=16, engine=None, prefix_caching=False):
+def _scheduler(requests, block_size=16, engine=None, prefix_caching=False, chunk=64, threshold=0, waiting=()):
     manager = _Manager(block_size)
     coordinator = SimpleNamespace(single_type_managers=(manager,))
     caching = SimpleNamespace(enable_prefix_caching=prefix_caching)
+    chunks = SimpleNamespace(max_num_batched_tokens=chunk, long_prefill_token_threshold=threshold)
+    config = SimpleNamespace(additional_config=engine or {}, cache_config=caching, scheduler_config=chunks)
     return SimpleNamespace(
-        running=requests,
-        vllm_config=SimpleNamespace(additional_config=engine or {}, cache_config=caching),
+        running=requests, waiting=list(waiting), kv_holding_waiting=[], vllm_config=config,
         kv_cache_manager=SimpleNamespace(coordinator=coordinator),
-    ), manager
+    ), manager  # fmt: skip
 
 
 def _request(req_id, prompt, extra):
@@ -270,6 +273,92 @@ def test_the_plan_spreads_requests_due_together_over_the_steps_before():
                                                                       budget + window]  # fmt: skip
     assert all(rnd == 1 for r in first_decode for _, rnd in r.values())
     assert all(n == budget + window for _, r in evicting[3:] for n, _ in r.values())  # apart: each when due
+
+
+def _prefill(request, computed):
+    """`computed` of the request's prompt (or of its recompute) prefilled, in chunks: not decoding yet."""
+    request.num_computed_tokens, request.num_tokens = computed, max(request.num_prompt_tokens, computed + 2)
+    request.num_output_tokens = request.num_tokens - request.num_prompt_tokens
+
+
+def _chunked(req, scheduler, manager, bs, total, chunks):
+    """Prefill `total` tokens in `chunks` (sizes; the last is cut to fit), planning before each step as the
+    scheduler does; returns the slots held at each plan after it, and during each chunk."""
+    between, during, done = [], [], 0
+    scheduler_side.state_of(req, scheduler)  # made while it waited
+    for size in chunks:
+        size = min(size, total - done)
+        if size <= 0:
+            break
+        during.append(done - req.vasepatch.dropped + size)
+        done += size
+        _prefill(req, done)
+        manager.req_to_blocks["a"] = list(range(-(-(done - req.vasepatch.dropped) // bs)))
+        scheduler_side.plan(scheduler)
+        between.append(done - req.vasepatch.dropped)
+    return between, during
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(
+    budget=st.integers(16, 64), window=st.integers(1, 8), prompt=st.integers(1, 400),
+    chunks=st.lists(st.integers(1, 96), min_size=1, max_size=40), pin=st.booleans(),
+)  # fmt: skip
+def test_a_prompt_is_compressed_between_its_chunks(budget, window, prompt, chunks, pin):
+    """However vLLM chunks a prompt, between two chunks an evicting request holds at most `pinned + budget +
+    window` slots, so during one at most that plus the chunk (`held_at_most`); with `prefill="pin"` the
+    prompt itself is never evicted."""
+    asks = {"vasepatch_budget": budget, "vasepatch_window": window, "vasepatch_prefill": "pin" if pin else "compress"}
+    req = _request("a", prompt, asks)
+    scheduler, manager = _scheduler([req], 8, chunk=max(chunks))
+    chunks = chunks * (1 + prompt // sum(chunks))  # enough to prefill the whole prompt
+    between, during = _chunked(req, scheduler, manager, 8, prompt, chunks)
+    pinned = prompt if pin else 0
+    assert max(between) <= pinned + budget + window
+    assert max(during) <= req.vasepatch.most == pinned + budget + window + max(chunks)
+    assert between[-1] >= min(prompt, pinned + budget)  # never below the budget
+    assert (req.vasepatch.dropped > 0) == (not pin and prompt > budget)
+
+
+def test_a_chunked_prompt_evicts_when_the_transformers_cache_fed_the_same_chunks_does():
+    """Chunks of 32 over a 200-token prompt, budget 40, window 8: the first chunk fits; every later one leaves
+    the request past `budget + window` and is evicted before the next (the transformers cache evicts at the end
+    of the same chunk steps: `evict_now` on the same counts); the blocks past 40 slots go back at once."""
+    budget, window, bs = 40, 8, 16
+    req = _request("a", 200, {"vasepatch_budget": budget, "vasepatch_window": window})
+    scheduler, manager = _scheduler([req], bs, chunk=32)
+    between, during = _chunked(req, scheduler, manager, bs, 200, [32] * 7)
+    assert during == [32, 64, 72, 72, 72, 72, 48]
+    assert between == [32, 40, 40, 40, 40, 40, 40]
+    assert req.vasepatch.rounds == 6 and req.vasepatch.dropped == 160
+    assert manager.req_to_blocks["a"] == [0, 1, 2] and len(manager.freed) == 1 + 4 * 2  # 64 slots: 4 blocks
+
+
+def test_admission_counts_the_blocks_an_evicting_request_will_hold():
+    """vLLM's full-sequence admission check counts `pinned + budget + window` plus the largest chunk for an
+    evicting request (a preempted one too: its whole sequence is recomputed, in chunks that are compressed as
+    they come), vLLM's own count for any other; `long_prefill_token_threshold` lowers the chunk."""
+    asks = {"vasepatch_budget": 64, "vasepatch_window": 32}
+    evicting, pinned, full = (
+        _request("a", 40, asks), _request("b", 40, {**asks, "vasepatch_prefill": "pin"}), _request("c", 40, None)
+    )  # fmt: skip
+    scheduler, _ = _scheduler([], 32, chunk=256, waiting=[evicting, pinned, full])
+    scheduler_side.plan(scheduler)
+    blocks = [scheduler_side.admission_blocks(r, 32) for r in (evicting, pinned, full)]
+    assert blocks == [-(-(64 + 32 + 256) // 32), -(-(40 + 64 + 32 + 256) // 32), None]
+    scheduler, _ = _scheduler([], 32, chunk=256, threshold=64, waiting=[_request("d", 40, asks)])
+    scheduler_side.plan(scheduler)
+    assert scheduler_side.admission_blocks(scheduler.waiting[0], 32) == (64 + 32 + 64) // 32
+
+
+def test_the_admission_cap_is_set_for_one_call_and_put_back():
+    managers = [SimpleNamespace(max_admission_blocks_per_request=cap) for cap in (None, 4)]
+    kv = SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=managers))
+    with engine_access.admission_capped(kv, 11):
+        assert [m.max_admission_blocks_per_request for m in managers] == [11, 4]
+    assert [m.max_admission_blocks_per_request for m in managers] == [None, 4]
+    with engine_access.admission_capped(kv, None):
+        assert [m.max_admission_blocks_per_request for m in managers] == [None, 4]
 
 
 def test_a_preempted_request_starts_over_and_physical_counts_slots():

@@ -55,17 +55,21 @@ def worker_state(worker: Any) -> dict[str, Any]:
 
 
 def record_blocks(worker) -> None:
-    """From now on the model runner notes every request's block ids at every step, once the step's evictions
-    have cut them and vLLM has appended the step's new blocks (`collective_rpc`)."""
+    """From now on the model runner notes the block ids of every request scheduled at every step, once the
+    step's evictions have cut them and vLLM has appended the step's new blocks, and the steps at which a
+    preempted request resumed (`collective_rpc`)."""
     runner = worker.model_runner
-    runner.seen_blocks, runner.block_steps = {}, []
+    runner.seen_blocks, runner.block_steps, runner.resumed_at = {}, [], {}
     update = runner._update_states
 
     def noting(scheduler_output, *args, **kwargs):
         result = update(scheduler_output, *args, **kwargs)
-        step = {req_id: list(state.block_ids[0]) for req_id, state in runner.requests.items()}
+        scheduled = scheduler_output.num_scheduled_tokens
+        step = {r: list(state.block_ids[0]) for r, state in runner.requests.items() if r in scheduled}
         for req_id, blocks in step.items():
             runner.seen_blocks.setdefault(req_id, []).append(blocks)
+        for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            runner.resumed_at.setdefault(req_id, []).append(len(runner.block_steps))
         runner.block_steps.append(step)
         return result
 
@@ -99,6 +103,11 @@ def eviction_steps(worker) -> list[tuple[list[str], int, list[int]]]:
 def seen_blocks(worker) -> dict[str, list[list[int]]]:
     """Each request's block ids at every step it ran (`record_blocks`)."""
     return worker.model_runner.seen_blocks
+
+
+def resumed_at(worker) -> dict[str, list[int]]:
+    """The steps (indices into `block_steps`) at which each preempted request resumed (`record_blocks`)."""
+    return worker.model_runner.resumed_at
 
 
 def block_steps(worker) -> list[dict[str, list[int]]]:

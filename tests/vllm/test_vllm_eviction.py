@@ -36,15 +36,19 @@ def llm(smollm2_path):
         yield llm
 
 
-def transformers_tokens(path: str, prompt: list[int], **patch) -> list[int]:
-    """Greedy tokens of vasepatch's own cache on the same model (a batch of one, the same seed)."""
+def transformers_tokens(path: str, prompt: list[int], prefill_chunk_size: int | None = None, **patch) -> list[int]:
+    """Greedy tokens of vasepatch's own cache on the same model (a batch of one, the same seed), the prompt
+    prefilled in chunks of `prefill_chunk_size` where given (transformers' chunked prefill)."""
     from transformers import AutoModelForCausalLM
 
     import vasepatch
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with vasepatch.patched(model, **patch):
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+            prefill_chunk_size=prefill_chunk_size,
+        )  # fmt: skip
     return out[0, len(prompt) :].tolist()
 
 

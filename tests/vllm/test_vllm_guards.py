@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -109,8 +110,13 @@ def test_the_info_line_says_what_the_engine_will_do(smollm2_path, tmp_path):
     from vasepatch.integration.vllm import requirements
 
     line = requirements.active_line(_engine_config(smollm2_path, {"budget": 64, "window": 16}))
-    assert "engine settings {'budget': 64, 'window': 16}; prefill 'compress' unless set (prefix caching off); " \
-        "every request evicts when due; requests capped at budget 4096, window 512" in line  # fmt: skip
+    assert re.search(
+        r"engine settings \{'budget': 64, 'window': 16\}; prefill 'compress' unless set \(prefix caching off\); "
+        r"every request evicts when due; prompts and recomputes compressed in chunks of up to \d+ tokens \(set "
+        r"long_prefill_token_threshold to lower it\); requests capped at budget 4096, window 512", line
+    )  # fmt: skip
+    capped = requirements.active_line(_engine_config(smollm2_path, {"budget": 128}, long_prefill_token_threshold=256))
+    assert "; prompts and recomputes compressed in chunks of up to 256 tokens; " in capped
     assert "67.5 KiB per window token" in line and "refused here" not in line
     spread = requirements.active_line(_engine_config(smollm2_path, {"budget": 128, "evictions_per_step": 4}))
     assert "; evictions spread, 4 per step;" in spread

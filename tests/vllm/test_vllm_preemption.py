@@ -15,9 +15,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run's vLLM pass r
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
-from tests.vllm.engines import block_steps, engine, record_blocks, reused_at_once, worker_state
+from tests.vllm.engines import block_steps, engine, record_blocks, resumed_at, reused_at_once, worker_state
 
-POOL_BLOCKS, BLOCK = 40, 32  # 1,280 slots
+POOL_BLOCKS, BLOCK, CHUNK = 40, 32, 256  # 1,280 slots; CHUNK: max_num_batched_tokens of the seeded test
 BUDGET, WINDOW, NEW = 320, 32, 600  # an evicting request holds up to 11 blocks: 5 of them need 55
 
 
@@ -45,7 +45,9 @@ def test_seeded_requests_preempted_after_evicting_are_recomputed_in_chunks(smoll
     """A full-cache request that arrived first outgrows the pool, so vLLM preempts the evicting requests
     that arrived after it, long after their first eviction (they evict every 32 tokens from the 96th slot).
     Each is recomputed later from its whole sequence, in chunks of at most 256 tokens, with its sampling
-    seed: it finishes with all its tokens, and every block comes back."""
+    seed, compressed as the chunks come: it never holds more than `budget + window` plus one chunk (11 blocks,
+    where its whole sequence would take up to 34), it finishes with all its tokens, and every block comes
+    back."""
     full_new, evicting_new, prompt_len = 1150, 1000, 64  # the full request ends at 1,214 tokens: 38 of 39 blocks
     prompts = [[1 + (5 * i + 3 * j) % 500 for j in range(prompt_len)] for i in range(4)]
     asks = {"vasepatch_budget": 64, "vasepatch_window": 32, "vasepatch_policy": "vase"}  # 3 blocks each
@@ -55,17 +57,26 @@ def test_seeded_requests_preempted_after_evicting_are_recomputed_in_chunks(smoll
         for i in (1, 2, 3)
     ]
     with engine(
-        smollm2_path, num_gpu_blocks_override=POOL_BLOCKS, max_model_len=1248, max_num_batched_tokens=256,
+        smollm2_path, num_gpu_blocks_override=POOL_BLOCKS, max_model_len=1248, max_num_batched_tokens=CHUNK,
         disable_log_stats=False,
     ) as llm:  # fmt: skip
+        llm.collective_rpc(record_blocks)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         state = llm.collective_rpc(worker_state)[0]
+        steps, resumed = llm.collective_rpc(block_steps)[0], llm.collective_rpc(resumed_at)[0]
     log = capfd.readouterr()
     preempted = [line for line in (log.out + log.err).splitlines() if "preempted after" in line]
     assert [len(o.outputs[0].token_ids) for o in outputs] == [full_new] + [evicting_new] * 3
     assert metrics["vllm:num_preemptions"] > 0 and preempted, "no evicting request was preempted"
     assert all("recomputed from its whole sequence" in line for line in preempted)
+    evicting = {o.request_id for o in outputs[1:]}  # vLLM's own ids add a suffix: "1-<8 hex digits>"
+    evicting = {r for step in steps for r in step if r.rsplit("-", 1)[0] in evicting}
+    recomputing = [len(step[r]) for r, at in resumed.items() if r in evicting for step in steps[at[0] :] if r in step]
+    print(f"largest blocks held by a preempted evicting request after it resumed: {max(recomputing)}")
+    bound = -(-(64 + 32 + CHUNK) // BLOCK)  # budget + window + one chunk: 11 blocks, not its sequence's 34
+    assert recomputing and max(recomputing) <= bound
+    assert max(len(step[r]) for step in steps for r in evicting if r in step) <= bound
     assert metrics["vllm:kv_cache_usage_perc"] == 0.0
     assert (state["requests"], state["ring_bytes"]) == (0, 0)
     assert state["generators_restored"] >= 3  # the recomputes were chunked: 4 chunks or more each

@@ -36,6 +36,39 @@ def running(scheduler: Any) -> list[Any]:
     return list(scheduler.running)
 
 
+def waiting(scheduler: Any) -> list[Any]:
+    """The requests waiting to be admitted: new ones, preempted ones, and those holding blocks already."""
+    return [*scheduler.waiting, *scheduler.kv_holding_waiting]
+
+
+def largest_chunk(owner: Any) -> int:
+    """The most prompt tokens vLLM prefills for one request at one step, among others, on the engine of a scheduler
+    (or its `VllmConfig`): its per-request cap for long prompts (`long_prefill_token_threshold`) where set, else
+    the step's token budget."""
+    config = getattr(owner, "vllm_config", owner).scheduler_config
+    threshold, budget = config.long_prefill_token_threshold, config.max_num_batched_tokens
+    return min(threshold, budget) if threshold > 0 else budget
+
+
+@contextmanager
+def admission_capped(manager: Any, blocks: int | None) -> Iterator[None]:
+    """While `manager` (a `KVCacheManager`) allocates for one request, vLLM's full-sequence admission check
+    counts at most `blocks` blocks for it: the per-request admission cap vLLM itself sets for layers that
+    recycle blocks (sliding windows), set for the call. None: unchanged."""
+    if blocks is None:
+        yield
+        return
+    managers = manager.coordinator.single_type_managers
+    saved = [m.max_admission_blocks_per_request for m in managers]
+    for m, cap in zip(managers, saved, strict=True):
+        m.max_admission_blocks_per_request = blocks if cap is None else min(cap, blocks)
+    try:
+        yield
+    finally:
+        for m, cap in zip(managers, saved, strict=True):
+            m.max_admission_blocks_per_request = cap
+
+
 def engine_config(owner: Any) -> Any:
     """`additional_config` of the engine a scheduler or a model runner belongs to."""
     return owner.vllm_config.additional_config
@@ -98,14 +131,18 @@ def free_tail(scheduler: Any, req_id: str, slots: int) -> None:
         manager.block_pool.free_blocks(reversed(tail))
 
 
+def block_size(manager: Any) -> int:
+    """The block size of a `KVCacheManager`'s (one) KV cache group."""
+    return manager.coordinator.single_type_managers[0].block_size
+
+
 def capped_hit(manager: Any, found: tuple[Any, ...], tokens: int) -> tuple[Any, ...]:
     """`KVCacheManager.get_computed_blocks`'s result, its prefix-cache hit cut to the full blocks of the first
     `tokens` tokens where it reaches past them."""
     blocks, hit, *rest = found
     if hit <= tokens:
         return found
-    block_size = manager.coordinator.single_type_managers[0].block_size
-    keep = tokens // block_size * block_size
+    keep = tokens // block_size(manager) * block_size(manager)
     return (manager.truncate_computed_blocks(blocks, keep), keep, *rest)
 
 

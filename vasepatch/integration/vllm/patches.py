@@ -11,7 +11,7 @@ each wrapper calling the original:
 | `InputProcessor._validate_params` | API server / `LLM` | check a request's settings (HTTP 400 naming the key) |
 | `Scheduler.schedule` | EngineCore | issue the due orders, free the tail blocks, ship the step |
 | `Scheduler._preempt_request` | EngineCore | a preempted request starts over |
-| `KVCacheManager.allocate_slots` | EngineCore | block math on physical slots |
+| `KVCacheManager.allocate_slots` | EngineCore | block math on physical slots; admission by the blocks held |
 | `KVCacheManager.get_computed_blocks` | EngineCore | an evicting request shares no cached block past its prompt |
 | `KVCacheCoordinator.cache_blocks` | EngineCore | ... and publishes none (compaction rewrites them) |
 | `GPUModelRunner._update_states` | worker | carry out the orders before new blocks are appended |
@@ -31,8 +31,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from vasepatch.integration.vllm import LOG, inactive, requirements, scheduler_side, settings
 from vasepatch.integration.vllm import engine_access as access
+from vasepatch.integration.vllm import inactive, requirements, scheduler_side, settings
 from vasepatch.integration.vllm.worker_side import WorkerEviction
 
 VLLM_VERSION = "0.32.0"
@@ -128,23 +128,16 @@ def _patch_scheduler() -> None:
     def preempt(original):
         def wrapper(self, request, *args, **kwargs):
             original(self, request, *args, **kwargs)
-            state = getattr(request, "vasepatch", None)
-            if state is not None and state.dropped:
-                LOG.info(
-                    "vasepatch: request %s preempted after %d evictions (%d positions dropped): it is recomputed "
-                    "from its whole sequence",
-                    access.request_id(request),
-                    state.rounds,
-                    state.dropped,
-                )
-            if state is not None:
-                state.reset()
+            scheduler_side.preempted(request)
 
         return wrapper
 
     def allocate_slots(original):
         def wrapper(self, request, *args, **kwargs):
-            with scheduler_side.physical(request):
+            blocks = None
+            if kwargs.get("full_sequence_must_fit"):  # an admission: count what the request will hold
+                blocks = scheduler_side.admission_blocks(request, access.block_size(self))
+            with scheduler_side.physical(request), access.admission_capped(self, blocks):
                 return original(self, request, *args, **kwargs)
 
         return wrapper

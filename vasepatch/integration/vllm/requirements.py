@@ -205,6 +205,10 @@ def active_line(vllm_config: Any) -> str:
     evicts += f"; prefill {prefill!r} unless set (prefix caching {'on' if caching else 'off'})"
     per_step = settings.evictions_per_step(vllm_config.additional_config)
     evicts += "; every request evicts when due" if per_step is None else f"; evictions spread, {per_step} per step"
+    chunk, capped = access.largest_chunk(vllm_config), vllm_config.scheduler_config.long_prefill_token_threshold > 0
+    evicts += f"; prompts and recomputes compressed in chunks of up to {chunk} tokens" + (
+        "" if capped else " (set long_prefill_token_threshold to lower it)"
+    )
     asks = f"requests capped at budget {caps.budget}, window {caps.window}"
     if not caps.requests_allowed:
         asks = "no per-request settings"

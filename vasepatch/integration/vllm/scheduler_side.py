@@ -7,6 +7,12 @@ calls for an eviction gets an `Order`, its block list is cut to `ceil((pinned + 
 the tail blocks go back to vLLM's free pool at once (they show in vLLM's KV usage metric). The worker carries
 out the order at the start of the same step, before anything writes to those blocks.
 
+A prompt is compressed as its chunks are prefilled (vLLM's chunked prefill), by the same rule: between chunks
+a request holds at most `budget + window` slots (plus its pinned prompt), so during one it holds at most that
+plus the chunk (`held_at_most`). A request preempted and recomputed is prefilled the same way, and vLLM's
+admission check counts those blocks for it, not its logical length (`admission_blocks`), so it comes back as
+soon as that much of the pool is free, and does not hold up the requests behind it.
+
 `dropped` (positions evicted so far) lives on the request; block math is made physical by subtracting
 it while vLLM allocates (`physical`), and it travels to the worker with every step (`Step`).
 
@@ -28,8 +34,8 @@ from typing import Any
 
 from vasepatch.cache.schedule import evict_now
 from vasepatch.config import VaSEConfig
+from vasepatch.integration.vllm import LOG, settings
 from vasepatch.integration.vllm import engine_access as access
-from vasepatch.integration.vllm import settings
 
 STEP_ATTR = "vasepatch_step"  # the SchedulerOutput attribute the worker reads
 
@@ -63,6 +69,7 @@ class RequestState:
     prefilled: bool = False
     pinned: int = 0  # slots no eviction touches: the prompt as the scheduler first saw it, with prefill="pin" (a
     # streaming-input session later counts what it generated as prompt, and those slots have been compacted)
+    most: int | None = None  # the most slots it ever holds (`held_at_most`); None: it never evicts
 
     def reset(self) -> None:
         """Preempted: vLLM frees every block and recomputes the whole sequence, which then compresses
@@ -79,8 +86,41 @@ def state_of(request: Any, scheduler: Any) -> RequestState:
         config = None if given is None else settings.resolve(engine, *given, prefix_caching=caching)
         pins = config is not None and config.prefill == "pin"
         state = RequestState(config, pinned=access.prompt_tokens(request) if pins else 0)
+        if config is not None:
+            state.most = held_at_most(state.pinned, config, access.largest_chunk(scheduler))
         request.vasepatch = state
     return state
+
+
+def held_at_most(pinned: int, config: VaSEConfig, chunk: int) -> int:
+    """The most slots an evicting request holds: `pinned + budget + window` between its prefill chunks and
+    decode steps (`plan` evicts any request past that, mid-prompt included), plus the largest chunk vLLM
+    prefills at once (`chunk`: `long_prefill_token_threshold` where set, else `max_num_batched_tokens`). A
+    recompute after preemption is a prefill like any other, so it holds no more."""
+    return pinned + config.budget + config.window + chunk
+
+
+def admission_blocks(request: Any, block_size: int) -> int | None:
+    """The blocks vLLM's full-sequence admission check (`scheduler_reserve_full_isl`) counts for an evicting
+    request: what it will hold (`held_at_most`), not its logical length; None: vLLM's own count."""
+    state = getattr(request, "vasepatch", None)
+    if state is None or state.most is None:
+        return None
+    return -(-state.most // block_size)
+
+
+def preempted(request: Any) -> None:
+    """vLLM preempted `request`: it starts over (`RequestState.reset`), saying so if it had evicted."""
+    state = getattr(request, "vasepatch", None)
+    if state is None:
+        return
+    if state.dropped:
+        LOG.info(
+            "vasepatch: request %s preempted after %d evictions (%d positions dropped): it is recomputed from its "
+            "whole sequence, compressed as its chunks come",
+            access.request_id(request), state.rounds, state.dropped,
+        )  # fmt: skip
+    state.reset()
 
 
 def cacheable(request: Any) -> int | None:
@@ -114,21 +154,25 @@ def spread(steps_left: Sequence[int], per_step: int | None) -> int:
 
 
 def plan(scheduler: Any) -> Step:
-    """Before `schedule()`: issue the orders of the running requests that are due (and, with
-    `evictions_per_step`, of those that `spread` evicts early), and free their tails."""
+    """Before `schedule()`: issue the orders of the running requests that are due, whether decoding or between
+    two chunks of their prompt (and, with `evictions_per_step`, of decoding ones that `spread` evicts early),
+    and free their tails. Waiting requests get their state, which admission reads."""
     step = Step()
     per_step = settings.evictions_per_step(access.engine_config(scheduler))
     due, early = [], []
+    for request in access.waiting(scheduler):
+        state_of(request, scheduler)  # admission (`admission_blocks`) reads the state of a request not yet running
     for request in access.running(scheduler):
         state = state_of(request, scheduler)
         config = state.config
-        if config is None or not access.decoding(request):
+        decoding = access.decoding(request)
+        if config is None or not (decoding or access.computed_tokens(request) > 0):
             continue
         first, state.prefilled = not state.prefilled, True
         phys, keep = access.computed_tokens(request) - state.dropped, state.pinned + config.budget
         if evict_now(keep, config.window, keep + config.window, phys, first_step=first, prefill="compress"):
             due.append((request, state, phys, keep))
-        elif per_step is not None and phys > keep:  # something to evict: it could go early
+        elif decoding and per_step is not None and phys > keep:  # something to evict: it could go early
             early.append((keep + config.window - phys, request, state, phys, keep))
     early.sort(key=lambda e: e[0])
     pulled = spread([e[0] for e in early], per_step)
