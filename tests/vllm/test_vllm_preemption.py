@@ -3,12 +3,17 @@
 - Six requests growing together: the preemptions hit requests before their first eviction (and the
   full-cache one); every request finishes with all its tokens and every block comes back.
 - A full-cache request that arrived first outgrows the pool: the evicting requests behind it are preempted
-  long after their first eviction, and recomputed from their whole sequence, in chunks and seeded.
+  long after their first eviction, and recomputed from their whole sequence, in chunks compressed as they
+  come, and seeded.
+- vLLM's admission check counts what an evicting request will hold, not its logical length.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run's vLLM pass runs these in their own venv")
 
@@ -101,3 +106,44 @@ def test_blocks_an_eviction_gives_back_serve_another_request_at_once(smollm2_pat
     assert metrics["vllm:num_preemptions"] == 0
     assert reused_at_once(steps) > 0
     assert tight == roomy
+
+
+def _kv_manager(blocks: int):
+    """vLLM's own KV cache manager over a pool of `blocks` blocks of 32 slots (one of them vLLM's null block)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
+    return KVCacheManager(
+        config, max_model_len=4096, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=False
+    )
+
+
+def test_admission_counts_what_an_evicting_request_will_hold():
+    """vLLM's full-sequence admission check (`scheduler_reserve_full_isl`), through the plugin's wrapper of
+    `KVCacheManager.allocate_slots`: a 1,000-token sequence to (re)compute in chunks of 256, budget 64, window
+    32, needs `ceil((64 + 32 + 256) / 32)` = 11 free blocks, not the 32 of its logical length; a full-cache
+    request of the same length still needs 32; vLLM's own admission cap is put back after the call."""
+    from vllm.v1.request import Request
+
+    from vasepatch.integration.vllm import patches, scheduler_side
+
+    patches.install()
+    asks = {"vasepatch_budget": 64, "vasepatch_window": 32}
+    config = SimpleNamespace(
+        additional_config={}, cache_config=SimpleNamespace(enable_prefix_caching=False),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=CHUNK, long_prefill_token_threshold=0),
+    )  # fmt: skip
+    scheduler = SimpleNamespace(vllm_config=config)
+
+    def admitted(blocks: int, extra: dict | None) -> bool:
+        manager = _kv_manager(blocks + 1)
+        request = Request("r", list(range(1, 1001)), SamplingParams(max_tokens=8, extra_args=extra), None)
+        scheduler_side.state_of(request, scheduler)
+        got = manager.allocate_slots(request, CHUNK, full_sequence_must_fit=True)
+        assert [m.max_admission_blocks_per_request for m in manager.coordinator.single_type_managers] == [None]
+        return got is not None and len(got.blocks[0]) == CHUNK // BLOCK
+
+    assert admitted(11, asks) and not admitted(10, asks)
+    assert admitted(32, None) and not admitted(31, None)
