@@ -70,3 +70,52 @@ def test_ratios_are_to_the_full_cache_at_the_same_pool_and_rate(serve, tmp_path)
     assert [r["vs_full"] for r in saved["runs"]] == [1.0, 2.4, 1.5, 1.0]
     assert saved["command"] == "python benchmarks/vllm_serve.py --out X"
     assert "| 2 full (25 blocks) | inf | vase | 120.0 | 2.40x | 8 |" in (tmp_path / "results.md").read_text()
+
+
+def test_the_figure_groups_runs_by_workload_pool_and_rate(tmp_path):
+    spec = importlib.util.spec_from_file_location("plot_vllm_serve", ROOT / "benchmarks" / "plot_vllm_serve.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    for name, pool in (("a", 2), ("b", 4)):
+        runs = [
+            {"pool_fits": pool, "pool_blocks": 10 * pool, "rate": rate, "method": method, "output_throughput": tok,
+             "vs_full": tok / 50, "p50_itl_ms": 40.0, "p99_itl_ms": 90.0}
+            for rate in ("inf", "1.0") for method, tok in (("full", 50.0), ("vase", 120.0))
+        ]  # fmt: skip
+        runs.append({"pool_fits": pool, "pool_blocks": 10 * pool, "rate": "inf", "method": "snapkv", "error": "x"})
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"command": "c", "runs": runs}))
+    found = plot.groups([tmp_path / "a", tmp_path / "b"], ["W1", "W2"])
+    assert [title for title, _ in found] == [
+        "W1, pool 2 full (20 blocks), rate inf", "W1, pool 2 full (20 blocks), rate 1.0",
+        "W2, pool 4 full (40 blocks), rate inf", "W2, pool 4 full (40 blocks), rate 1.0",
+    ]  # fmt: skip
+    assert [[r["method"] for r in runs] for _, runs in found] == [["full", "vase"]] * 4  # the failed run left out
+    out = plot.main([str(tmp_path / "a"), str(tmp_path / "b"), "--labels", "W1,W2", "--out", str(tmp_path / "f.png")])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        plot.main([str(tmp_path / "a"), "--labels", "W1,W2", "--out", str(tmp_path / "g.png")])
+
+
+def test_the_offline_benchmark_rotates_its_methods_and_takes_ratios_within_a_repeat():
+    spec = importlib.util.spec_from_file_location("vllm_throughput", ROOT / "benchmarks" / "vllm_throughput.py")
+    offline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(offline)
+    methods = ["full", "vase", "snapkv", "streaming"]
+    orders = [offline.rotated(methods, r) for r in range(5)]
+    assert [o[0] for o in orders] == ["full", "vase", "snapkv", "streaming", "full"]
+    assert all(sorted(o) == sorted(methods) for o in orders)
+    runs = [
+        {"pool": "2x", "pool_blocks": 25, "method": m, "tok_s": tok, "repeat": r}
+        for r, pairs in enumerate(([("full", 50.0), ("vase", 120.0)], [("vase", 100.0), ("full", 40.0)],
+                                   [("full", 45.0), ("vase", 130.0)]))
+        for m, tok in pairs
+    ]  # fmt: skip
+    runs.append({"pool": "2x", "pool_blocks": 25, "method": "vase", "error": "boom", "repeat": 2})
+    offline.with_ratios(runs)
+    assert [r.get("vs_full") for r in runs if r["method"] == "vase" and "tok_s" in r] == [2.4, 2.5, 130 / 45]
+    median = {r["method"]: (r["tok_s"], r["repeat"]) for r in offline.medians(runs)}
+    assert median == {"full": (45.0, 2), "vase": (120.0, 0)}  # the failed run is left out
+    args = offline.parse_args(["--repeats", "3", "--warmups", "0"])
+    assert (args.repeats, args.warmups) == (3, 0)
+    assert offline.parse_args([]).warmups == 2
