@@ -52,6 +52,11 @@ step's `SchedulerStats` and `IterationStats` are read where vLLM hands them to i
   also the sum of each process's own high-water mark, VmHWM, which includes the engine's start); with
   `--device cuda` also the device's peak used memory (`nvidia-smi`, sampled every 2 s).
 
+Before anything is measured, each engine serves `--warmups` short requests (16 tokens) per method. With
+`--repeats N` every method and pool runs N times, the methods' order rotated by one each time (so no method
+always runs first on a fresh engine or after a given other); each run is a row of the table, its ratio to
+`full` is taken within its repeat, and the figure draws the median run of each method and pool.
+
 Writes `results.json` (after every run, so an interrupted run keeps what it measured), `results.md`
 (the table, with the command that produced it) and `throughput.png` (tok/s and mean requests in flight
 against the pool; requests in flight and blocks in use over time, per pool) to `--out`. A run that fails
@@ -113,6 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a fresh engine for every method and pool, with engine-wide VaSE settings (default); or one engine "
         "per pool serving the methods in turn, the settings travelling with each request (fewer engine starts; "
         "the memory figures of later methods then include what earlier ones left)",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="runs of every method and pool, the methods' order rotated")
+    p.add_argument(
+        "--warmups", type=int, default=2, help="requests of 16 tokens each engine serves first, not measured"
     )
     p.add_argument("--note", default="", help="a line of text put at the top of results.md (e.g. 'smoke run')")
     p.add_argument("--quick", action="store_true", help="a few-minute smoke run: " + json.dumps(QUICK))
@@ -319,6 +328,29 @@ def generate(llm: Any, args: argparse.Namespace, method: str, trace: Trace, per_
     return sum(generated.values())
 
 
+def warm_up(llm: Any, args: argparse.Namespace, methods: list[str], per_request: bool) -> None:
+    """`--warmups` short requests per method, served before anything is measured (not recorded)."""
+    from vllm import SamplingParams
+
+    if args.warmups < 1:
+        return
+    engine = llm.llm_engine
+    ids = prompts(args, engine.model_config.get_vocab_size())[: args.warmups]
+    for method in methods:
+        extra = request_settings(args, method, per_request)
+        for i, prompt in enumerate(ids):
+            params = SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False, extra_args=extra)
+            engine.add_request(f"warm-{method}-{i}", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def rotated(methods: list[str], repeat: int) -> list[str]:
+    """The methods' order of repeat `repeat`: the first `repeat` moved to the end."""
+    k = repeat % len(methods)
+    return methods[k:] + methods[:k]
+
+
 def failed(method: str, pool: str, blocks: int, error: str) -> dict[str, Any]:
     print(error, file=sys.stderr, flush=True)
     return {"method": method, "pool": pool, "pool_blocks": blocks, "error": error}
@@ -343,6 +375,7 @@ def engine_runs(args: argparse.Namespace, pool: str, blocks: int, methods: list[
         got = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
         if got != blocks:
             raise RuntimeError(f"asked vLLM for a pool of {blocks} KV blocks, it made {got}")
+        warm_up(llm, args, methods, per_request)
         recorder = Recorder(llm)
         for method in methods:
             print(f"== pool {pool} ({blocks} blocks), {method}", flush=True)
@@ -404,12 +437,22 @@ def summarize(method: str, pool: str, blocks: int, tokens: int, trace: Trace, st
 
 
 def with_ratios(results: list[dict]) -> list[dict]:
-    """Each run's tok/s over that of `full` at the same pool (None without a full run there)."""
-    full = {r["pool"]: r["tok_s"] for r in results if r["method"] == "full" and "tok_s" in r}
+    """Each run's tok/s over that of `full` at the same pool and repeat (None without a full run there)."""
+    key = lambda r: (r["pool"], r.get("repeat", 0))  # noqa: E731
+    full = {key(r): r["tok_s"] for r in results if r["method"] == "full" and "tok_s" in r}
     for r in results:
         if "tok_s" in r:
-            r["vs_full"] = r["tok_s"] / full[r["pool"]] if r["pool"] in full else None
+            r["vs_full"] = r["tok_s"] / full[key(r)] if key(r) in full else None
     return results
+
+
+def medians(results: list[dict]) -> list[dict]:
+    """One run per method and pool: the repeat with the median tok/s (the lower middle of an even count)."""
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        if "tok_s" in r:
+            runs.setdefault((r["method"], r["pool"]), []).append(r)
+    return [sorted(rs, key=lambda r: r["tok_s"])[(len(rs) - 1) // 2] for rs in runs.values()]
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
@@ -476,7 +519,8 @@ COLUMNS = (
 
 def _row(r: dict, per_request: int, gpu: bool) -> str:
     fits = (r["pool_blocks"] - 1) / per_request
-    head = f"| {r['pool']} ({r['pool_blocks']} blocks, {fits:.1f} full) | {r['method']} |"
+    again = f", repeat {r['repeat'] + 1}" if "repeat" in r else ""
+    head = f"| {r['pool']} ({r['pool_blocks']} blocks, {fits:.1f} full{again}) | {r['method']} |"
     if "error" in r:
         return head + f" failed: {r['error'].strip().splitlines()[-1]} |" + " |" * (len(COLUMNS) - 3 + gpu)
     cells = (
@@ -493,11 +537,18 @@ def report(data: dict) -> str:
     per_request, gpu = s["blocks_per_full_request"], s["device"] == "cuda"
     where = f"cuda ({env['gpu']})" if gpu else f"cpu ({env['cpu']}, {env['cpus']} CPUs)"
     engines = (
-        "one engine per pool, serving the methods in turn (full first), the VaSE settings sent with each request; "
+        "one engine per pool, serving the methods in turn, the VaSE settings sent with each request; "
         "peak RSS of a later method includes what earlier ones left"
         if s["engine"] == "per-pool"
         else "a fresh engine per method and pool, with engine-wide VaSE settings"
     )
+    engines += (
+        f"; each engine first serves {s.get('warmups', 0)} warm-up requests per method, not measured"
+        if s.get("warmups")
+        else ""
+    )
+    if s.get("repeats", 1) > 1:
+        engines += f"; {s['repeats']} repeats, the methods' order rotated by one each time (the figure: median)"
     columns = [*COLUMNS, "peak GPU MiB"] if gpu else list(COLUMNS)
     head = (
         (f"> {s['note']}\n\n" if s["note"] else "")
@@ -523,7 +574,7 @@ def figure(data: dict):
     from vasepatch.reporting import style
 
     s = data["settings"]
-    ok = [r for r in data["results"] if "tok_s" in r]
+    ok = medians(data["results"])  # with repeats, the median run of each method and pool
     methods = list(dict.fromkeys(r["method"] for r in ok))
     pools = list(dict.fromkeys(r["pool"] for r in ok))
     fig, axes = style.subplots(1 + len(pools), 2, panel=(5.5, 3.4))
@@ -578,11 +629,14 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             raise SystemExit(f"unknown method(s) {bad}: use full or one of {sorted(policies.available())}")
     env, results = environment(args), []
-    groups = [args.methods] if args.engine == "per-pool" else [[m] for m in args.methods]
-    for pool, blocks in pool_sizes(args):
-        for methods in groups:
-            results += engine_runs(args, pool, blocks, methods)
-            write(args.out, payload(args, results, env), final=False)
+    for repeat in range(args.repeats):
+        order = rotated(list(args.methods), repeat)
+        groups = [order] if args.engine == "per-pool" else [[m] for m in order]
+        for pool, blocks in pool_sizes(args):
+            for methods in groups:
+                runs = engine_runs(args, pool, blocks, methods)
+                results += [{**r, "repeat": repeat} for r in runs] if args.repeats > 1 else runs
+                write(args.out, payload(args, results, env), final=False)
     data = payload(args, results, env)
     write(args.out, data, final=True)
     print(report(data), flush=True)
