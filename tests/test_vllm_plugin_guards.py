@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import BloomConfig, FalconConfig, LlamaConfig, MptConfig
 
+from vasepatch.config import VaSEConfig
 from vasepatch.integration.vllm import patches, requirements, settings
 from vasepatch.integration.vllm.query_rings import QueryRings
 from vasepatch.integration.vllm.scheduler_side import STEP_ATTR, Step
@@ -100,13 +101,37 @@ def test_another_vllm_without_the_front_door_classes_still_starts(fake_vllm, mon
 
 
 def _engine(additional=None, max_model_len=4096, ranks=1, hf_config=None, prefix_caching=False):
-    model = SimpleNamespace(max_model_len=max_model_len, hf_config=hf_config or LlamaConfig())
+    """A `VllmConfig` as the checks read it: a model of 2 layers and 4 query heads of 8 (float32), so a recorded
+    query is 256 bytes; 8 requests at once."""
+    model = SimpleNamespace(
+        max_model_len=max_model_len, hf_config=hf_config or LlamaConfig(), dtype=torch.float32,
+        get_num_attention_heads=lambda parallel: 4, get_num_layers=lambda parallel: 2, get_head_size=lambda: 8,
+    )  # fmt: skip
     return SimpleNamespace(
         additional_config=additional or {},
         model_config=model,
         parallel_config=SimpleNamespace(tensor_parallel_size=ranks, pipeline_parallel_size=1),
         cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching),
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
     )
+
+
+def test_the_query_rings_limit_defaults_to_the_requests_in_flight_at_the_window_cap_and_refuses_a_wider_one():
+    """Default: `max_num_seqs` requests at the window cap (8 x 512 x 256 bytes); `max_ring_mib` lowers it, and
+    a window whose rings alone pass it is refused, the engine's naming its window, a request's its key."""
+    assert requirements.ring_limit(_engine()) == (256, 8 * settings.DEFAULT_MAX_WINDOW * 256)
+    tight = {"max_ring_mib": 0.01}  # 10,485 bytes: one window of 40 (10,240), not 41
+    assert requirements.ring_limit(_engine({"vasepatch": tight})) == (256, 10485)
+    engine = _engine({"vasepatch": tight})
+    found = requirements.config_problems(engine, VaSEConfig(budget=128, window=41))
+    assert list(found) == ["window"] and "window=41 needs 0.0 MiB of query rings per rank, over" in found["window"]
+    assert requirements.config_problems(engine, VaSEConfig(budget=128, window=40)) == {}
+    engine = _engine({"vasepatch": {**tight, "budget": 64, "window": 8}})  # checked when it started
+    asks = {"vasepatch_budget": 64, "vasepatch_window": 40}
+    requirements.check_request(engine, SimpleNamespace(extra_args=asks, seed=None))
+    with pytest.raises(settings.SettingsError, match=r"\['max_ring_mib'\]") as err:
+        requirements.check_request(engine, SimpleNamespace(extra_args={**asks, "vasepatch_window": 41}, seed=None))
+    assert err.value.parameter == "vasepatch_window"
 
 
 def test_caps_default_to_the_engine_and_never_below_its_own_settings():
@@ -128,6 +153,9 @@ def test_caps_default_to_the_engine_and_never_below_its_own_settings():
         ("request_settings", 1, "must be true or false"),
         ("evictions_per_step", 0, r"must be a positive integer \(or unset: no spreading\), got 0"),
         ("evictions_per_step", 1.5, "must be a positive integer"),
+        ("max_ring_mib", 0, "must be a positive number of MiB"),
+        ("max_ring_mib", "8", "must be a positive number of MiB"),
+        ("max_ring_mib", float("inf"), "must be a positive number of MiB"),
     ],
 )
 def test_a_bad_cap_stops_the_engine_naming_it(key, value, text):
@@ -199,10 +227,10 @@ def test_alibi_models_are_recognised(hf_config, alibi):
 
 def test_shared_heads_on_more_than_one_rank_is_refused_by_engine_and_request():
     one, two = _engine(ranks=1), _engine(ranks=2)
-    shared = SimpleNamespace(shared_heads=True, prefill="compress")
+    shared = SimpleNamespace(shared_heads=True, prefill="compress", window=32)
     assert requirements.config_problems(one, shared) == {}
     assert "shared_heads=True with tensor_parallel_size=2" in requirements.config_problems(two, shared)["shared_heads"]
-    assert requirements.config_problems(two, SimpleNamespace(shared_heads=False, prefill="compress")) == {}
+    assert requirements.config_problems(two, SimpleNamespace(shared_heads=False, prefill="compress", window=32)) == {}
     engine = _engine({"vasepatch": {"budget": 256}}, ranks=2)  # checked when it started; the request's own key
     with pytest.raises(settings.SettingsError, match="shared_heads=True") as error:
         requirements.check_request(engine, SimpleNamespace(extra_args={"vasepatch_shared_heads": 1}, seed=None))

@@ -200,15 +200,18 @@ class _Manager:
         self.block_pool = SimpleNamespace(free_blocks=lambda blocks: self.freed.extend(blocks))
 
 
-def _scheduler(requests, block_size=16, engine=None, prefix_caching=False, chunk=64, threshold=0, waiting=()):
+def _scheduler(
+    requests, block_size=16, engine=None, prefix_caching=False, chunk=64, threshold=0, waiting=(), ring_limit=2**40
+):
     manager = _Manager(block_size)
     coordinator = SimpleNamespace(single_type_managers=(manager,))
     caching = SimpleNamespace(enable_prefix_caching=prefix_caching)
     chunks = SimpleNamespace(max_num_batched_tokens=chunk, long_prefill_token_threshold=threshold)
     config = SimpleNamespace(additional_config=engine or {}, cache_config=caching, scheduler_config=chunks)
+    rings = scheduler_side.RingBudget(per_token=1, limit=ring_limit)
     return SimpleNamespace(
         running=requests, waiting=list(waiting), kv_holding_waiting=[], vllm_config=config,
-        kv_cache_manager=SimpleNamespace(coordinator=coordinator),
+        kv_cache_manager=SimpleNamespace(coordinator=coordinator, **{scheduler_side.RINGS_ATTR: rings}),
     ), manager  # fmt: skip
 
 
@@ -349,6 +352,31 @@ def test_admission_counts_the_blocks_an_evicting_request_will_hold():
     scheduler, _ = _scheduler([], 32, chunk=256, threshold=64, waiting=[_request("d", 40, asks)])
     scheduler_side.plan(scheduler)
     assert scheduler_side.admission_blocks(scheduler.waiting[0], 32) == (64 + 32 + 64) // 32
+
+
+def test_query_rings_are_counted_at_admission_against_the_engines_limit():
+    """Rings of 8 per request (window 8, 1 byte a token) against a limit of 16: two new requests are admitted at
+    one step, a third waits; a preempted one keeps its rings (they count while it waits) and is readmitted; once
+    one finishes, the third fits."""
+    asks = {"vasepatch_budget": 16, "vasepatch_window": 8}
+    a, b, c = (_request(r, 10, asks) for r in "abc")
+    full = _request("f", 10, None)
+    scheduler, _ = _scheduler([], waiting=[a, b, c, full], ring_limit=16)
+    kv = scheduler.kv_cache_manager
+    scheduler_side.plan(scheduler)
+    admitted = []
+    for request in (a, b, c, full):
+        if scheduler_side.rings_admit(kv, request):
+            scheduler_side.rings_taken(kv, request)
+            admitted.append(request.request_id)
+    assert admitted == ["a", "b", "f"]  # a request with no eviction has no rings
+    scheduler.running, scheduler.waiting = [a, full], [b, c]  # b preempted: its rings stay on the workers
+    scheduler_side.plan(scheduler)
+    assert getattr(kv, scheduler_side.RINGS_ATTR).held == 16
+    assert scheduler_side.rings_admit(kv, b) and not scheduler_side.rings_admit(kv, c)
+    scheduler.running, scheduler.waiting = [full], [b, c]  # a finished
+    scheduler_side.plan(scheduler)
+    assert scheduler_side.rings_admit(kv, c)
 
 
 def test_the_admission_cap_is_set_for_one_call_and_put_back():
@@ -518,9 +546,13 @@ def test_the_prefill_mode_defaults_to_pin_with_prefix_caching_and_compress_is_re
     engine = SimpleNamespace(
         additional_config={},
         cache_config=SimpleNamespace(enable_prefix_caching=True),
-        model_config=SimpleNamespace(max_model_len=4096),
+        model_config=SimpleNamespace(
+            max_model_len=4096, dtype=torch.float32, get_num_attention_heads=lambda parallel: 4,
+            get_num_layers=lambda parallel: 2, get_head_size=lambda: 8,
+        ),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
-    )
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+    )  # fmt: skip
     config = settings.resolve(None, {**asks, "vasepatch_prefill": "compress"}, None, True)
     assert list(requirements.config_problems(engine, config)) == ["prefill"]
     assert requirements.config_problems(engine, settings.resolve(None, asks, None, True)) == {}

@@ -19,7 +19,16 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
 
-from tests.vllm.engines import ENGINE_DEFAULTS, ROOT, engine, greedy_in_subprocess, worker_rss_mib, worker_state
+from tests.vllm.engines import (
+    ENGINE_DEFAULTS,
+    ROOT,
+    block_steps,
+    engine,
+    greedy_in_subprocess,
+    record_blocks,
+    worker_rss_mib,
+    worker_state,
+)
 
 
 @pytest.mark.timeout(600)
@@ -104,6 +113,28 @@ def test_query_rings_follow_the_requests_in_flight(smollm2_path):
         too_wide = {"vasepatch_budget": 40_000, "vasepatch_window": 20_001}
         with pytest.raises(VLLMValidationError, match="vasepatch_window=20001 is over this engine's cap of 20000"):
             llm.generate(prompt, SamplingParams(max_tokens=2, extra_args=too_wide), use_tqdm=False)
+
+
+@pytest.mark.timeout(600)
+def test_the_query_rings_limit_holds_requests_back_until_their_rings_fit(smollm2_path):
+    """`max_ring_mib` 4.5 on SmolLM2 in float32 (67.5 KiB per window token): two requests of window 32 (2.1 MiB
+    each) fit, a third does not. Of five evicting requests added at once (and a full-cache one), at most two
+    evicting ones run at any step, and every one finishes; a window whose rings alone pass the limit is
+    refused."""
+    with engine(smollm2_path, additional_config={"vasepatch": {"max_ring_mib": 4.5}}) as llm:
+        llm.collective_rpc(record_blocks)
+        asks = {"vasepatch_budget": 64, "vasepatch_window": 32}
+        prompts = [TokensPrompt(prompt_token_ids=[1 + (7 * i + j) % 400 for j in range(40)]) for i in range(6)]
+        params = [SamplingParams(max_tokens=40, min_tokens=40, extra_args=asks) for _ in range(5)]
+        outputs = llm.generate(prompts, [*params, SamplingParams(max_tokens=40, min_tokens=40)], use_tqdm=False)
+        steps = llm.collective_rpc(block_steps)[0]
+        state = llm.collective_rpc(worker_state)[0]
+        with pytest.raises(VLLMValidationError, match=r"window=70 needs 4.6 MiB .*\['max_ring_mib'\]"):
+            llm.generate(prompts[:1], SamplingParams(max_tokens=2, extra_args={**asks, "vasepatch_window": 70}))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [40] * 6
+    evicting = {o.request_id for o in outputs[:5]}  # vLLM's own ids add a suffix: "1-<8 hex digits>"
+    running = [sum(1 for r in step if r.rsplit("-", 1)[0] in evicting) for step in steps]
+    assert max(running) == 2 and state["ring_bytes"] == 0
 
 
 def test_the_info_line_says_what_the_engine_will_do(smollm2_path, tmp_path):

@@ -69,6 +69,11 @@ def admission_capped(manager: Any, blocks: int | None) -> Iterator[None]:
             m.max_admission_blocks_per_request = cap
 
 
+def kv_manager(scheduler: Any) -> Any:
+    """The scheduler's `KVCacheManager`."""
+    return scheduler.kv_cache_manager
+
+
 def engine_config(owner: Any) -> Any:
     """`additional_config` of the engine a scheduler or a model runner belongs to."""
     return owner.vllm_config.additional_config

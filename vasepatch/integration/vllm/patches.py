@@ -11,7 +11,7 @@ each wrapper calling the original:
 | `InputProcessor._validate_params` | API server / `LLM` | check a request's settings (HTTP 400 naming the key) |
 | `Scheduler.schedule` | EngineCore | issue the due orders, free the tail blocks, ship the step |
 | `Scheduler._preempt_request` | EngineCore | a preempted request starts over |
-| `KVCacheManager.allocate_slots` | EngineCore | block math on physical slots; admission by the blocks held |
+| `KVCacheManager.allocate_slots` | EngineCore | physical block math; admission by blocks held and the rings' limit |
 | `KVCacheManager.get_computed_blocks` | EngineCore | an evicting request shares no cached block past its prompt |
 | `KVCacheCoordinator.cache_blocks` | EngineCore | ... and publishes none (compaction rewrites them) |
 | `GPUModelRunner._update_states` | worker | carry out the orders before new blocks are appended |
@@ -134,11 +134,16 @@ def _patch_scheduler() -> None:
 
     def allocate_slots(original):
         def wrapper(self, request, *args, **kwargs):
+            if not scheduler_side.rings_admit(self, request):  # it waits, as for blocks
+                return None
             blocks = None
             if kwargs.get("full_sequence_must_fit"):  # an admission: count what the request will hold
                 blocks = scheduler_side.admission_blocks(request, access.block_size(self))
             with scheduler_side.physical(request), access.admission_capped(self, blocks):
-                return original(self, request, *args, **kwargs)
+                got = original(self, request, *args, **kwargs)
+            if got is not None:
+                scheduler_side.rings_taken(self, request)
+            return got
 
         return wrapper
 

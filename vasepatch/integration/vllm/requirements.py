@@ -98,6 +98,13 @@ def config_problems(vllm_config: Any, config: Any) -> dict[str, str]:
             f"shared_heads=True with tensor_parallel_size={ranks}: a rank sees only its own KV heads, so one "
             "set per layer cannot combine them all; use shared_heads=False or one rank"
         )
+    per_token, ring_bytes = ring_limit(vllm_config)
+    if config.window * per_token > ring_bytes:
+        found["window"] = (
+            f"window={config.window} needs {config.window * per_token / 2**20:.1f} MiB of query rings per rank, over "
+            f"this engine's limit of {ring_bytes / 2**20:.1f} MiB for all requests in flight "
+            f"({settings.ENGINE_WHERE}['max_ring_mib'])"
+        )
     if config.prefill == "compress" and access.prefix_caching(vllm_config):
         found["prefill"] = (
             "prefill='compress' with prefix caching on: compaction would rewrite the prompt's blocks, which the "
@@ -186,6 +193,15 @@ def query_bytes(vllm_config: Any) -> int:
     return model.get_num_layers(parallel) * heads * model.get_head_size() * element
 
 
+def ring_limit(vllm_config: Any) -> tuple[int, int]:
+    """`(bytes per window token, limit in bytes)` of the query rings of one rank: `max_ring_mib` where the operator
+    set it, else what `max_num_seqs` requests at the window cap need (so by default it only states the bound)."""
+    per_token, caps = query_bytes(vllm_config), limits(vllm_config)
+    if caps.ring_mib is not None:
+        return per_token, int(caps.ring_mib * 2**20)
+    return per_token, vllm_config.scheduler_config.max_num_seqs * caps.window * per_token
+
+
 def active_line(vllm_config: Any) -> str:
     """The one log line that says the plugin is active, with the engine's settings, caps and ring sizes, and
     what rules out eviction on this engine, if anything does."""
@@ -214,11 +230,13 @@ def active_line(vllm_config: Any) -> str:
         asks = "no per-request settings"
     found = problems(vllm_config)
     refused = f"; requests asking for eviction are refused here: {'; '.join(found)}" if found else ""
+    _, ring_bytes = ring_limit(vllm_config)
+    whose = "max_ring_mib" if caps.ring_mib is not None else f"max_num_seqs={seqs} such requests"
     return (
         f"vasepatch VaSE plugin active on vLLM {vllm.__version__}: {evicts}; {asks}; query rings "
         f"{per_token / 2**10:.1f} KiB per window token of an evicting request, at most "
         f"{caps.window * per_token / 2**20:.1f} MiB per request at the window cap and "
-        f"{seqs * caps.window * per_token / 2**30:.2f} GiB for max_num_seqs={seqs} such requests, per rank{refused}"
+        f"{ring_bytes / 2**30:.2f} GiB for the requests in flight ({whose}), per rank{refused}"
     )
 
 

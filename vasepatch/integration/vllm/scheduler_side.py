@@ -34,10 +34,11 @@ from typing import Any
 
 from vasepatch.cache.schedule import evict_now
 from vasepatch.config import VaSEConfig
-from vasepatch.integration.vllm import LOG, settings
+from vasepatch.integration.vllm import LOG, requirements, settings
 from vasepatch.integration.vllm import engine_access as access
 
 STEP_ATTR = "vasepatch_step"  # the SchedulerOutput attribute the worker reads
+RINGS_ATTR = "vasepatch_rings"  # the KVCacheManager attribute holding the engine's `RingBudget`
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class RequestState:
     pinned: int = 0  # slots no eviction touches: the prompt as the scheduler first saw it, with prefill="pin" (a
     # streaming-input session later counts what it generated as prompt, and those slots have been compacted)
     most: int | None = None  # the most slots it ever holds (`held_at_most`); None: it never evicts
+    ringed: bool = False  # the workers hold its query rings: it has run (a preempted one keeps them until it ends)
 
     def reset(self) -> None:
         """Preempted: vLLM frees every block and recomputes the whole sequence, which then compresses
@@ -90,6 +92,47 @@ def state_of(request: Any, scheduler: Any) -> RequestState:
             state.most = held_at_most(state.pinned, config, access.largest_chunk(scheduler))
         request.vasepatch = state
     return state
+
+
+@dataclass
+class RingBudget:
+    """The query rings the workers hold for the engine's evicting requests (bytes per rank, `held`), against
+    the engine's limit (`requirements.ring_limit`): a request is admitted only while its rings fit beside them."""
+
+    per_token: int
+    limit: int
+    held: int = 0
+
+    def need(self, state: RequestState) -> int:
+        return 0 if state.config is None else state.config.window * self.per_token
+
+
+def ring_budget(scheduler: Any) -> RingBudget:
+    """The engine's `RingBudget`, made once, kept where the admission wrapper finds it (the KV cache manager)."""
+    manager = access.kv_manager(scheduler)
+    rings = getattr(manager, RINGS_ATTR, None)
+    if rings is None:
+        rings = RingBudget(*requirements.ring_limit(scheduler.vllm_config))
+        setattr(manager, RINGS_ATTR, rings)
+    return rings
+
+
+def rings_admit(manager: Any, request: Any) -> bool:
+    """Whether `request` may start now for its query rings: any request that has run (its rings exist) or
+    evicts nothing may; a new evicting one only if its rings fit beside those held. One admitted is counted at
+    once, so that several admitted at one step add up."""
+    rings, state = getattr(manager, RINGS_ATTR, None), getattr(request, "vasepatch", None)
+    if rings is None or state is None or state.config is None or state.ringed:
+        return True
+    return rings.held + rings.need(state) <= rings.limit
+
+
+def rings_taken(manager: Any, request: Any) -> None:
+    """`request` was admitted: its rings now count (`rings_admit`)."""
+    rings, state = getattr(manager, RINGS_ATTR, None), getattr(request, "vasepatch", None)
+    if rings is not None and state is not None and state.config is not None and not state.ringed:
+        state.ringed = True
+        rings.held += rings.need(state)
 
 
 def held_at_most(pinned: int, config: VaSEConfig, chunk: int) -> int:
@@ -160,11 +203,14 @@ def plan(scheduler: Any) -> Step:
     step = Step()
     per_step = settings.evictions_per_step(access.engine_config(scheduler))
     due, early = [], []
-    for request in access.waiting(scheduler):
-        state_of(request, scheduler)  # admission (`admission_blocks`) reads the state of a request not yet running
+    rings, held = ring_budget(scheduler), 0
+    for request in access.waiting(scheduler):  # admission reads their state (`admission_blocks`, `rings_admit`)
+        state = state_of(request, scheduler)
+        held += rings.need(state) if state.ringed else 0
     for request in access.running(scheduler):
         state = state_of(request, scheduler)
-        config = state.config
+        config, state.ringed = state.config, True
+        held += rings.need(state)
         decoding = access.decoding(request)
         if config is None or not (decoding or access.computed_tokens(request) > 0):
             continue
@@ -174,6 +220,7 @@ def plan(scheduler: Any) -> Step:
             due.append((request, state, phys, keep))
         elif decoding and per_step is not None and phys > keep:  # something to evict: it could go early
             early.append((keep + config.window - phys, request, state, phys, keep))
+    rings.held = held
     early.sort(key=lambda e: e[0])
     pulled = spread([e[0] for e in early], per_step)
     for request, state, phys, keep in due + [e[1:] for e in early[:pulled]]:

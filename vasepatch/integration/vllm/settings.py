@@ -14,7 +14,8 @@ them, so the API server, the scheduler and the workers read the same settings th
   with prefix caching on (vLLM's default) and `"compress"` without (`default_prefill`).
 - Operator limits, engine-only (`LIMIT_FIELDS`): per-request settings come from HTTP clients, so the
   engine caps what a request may ask for (`Limits`: the largest budget and window, or no per-request
-  settings at all). A request over a cap is refused (HTTP 400) naming the cap.
+  settings at all). A request over a cap is refused (HTTP 400) naming the cap. `max_ring_mib` limits the
+  query rings of the requests in flight together: a request whose rings would pass it waits.
 - Scheduling, engine-only (`SCHEDULE_FIELDS`): `evictions_per_step` spreads the evictions of requests that
   would all evict at one step over the steps before it (`evictions_per_step`, `scheduler_side.spread`).
 
@@ -48,7 +49,7 @@ ENGINE_FIELDS = (
     "prefill",
 )
 REQUEST_FIELDS = tuple(f for f in ENGINE_FIELDS if f != "policy_options")  # flat values only
-LIMIT_FIELDS = ("max_request_budget", "max_request_window", "request_settings")  # the operator's, engine-only
+LIMIT_FIELDS = ("max_request_budget", "max_request_window", "request_settings", "max_ring_mib")  # the operator's
 SCHEDULE_FIELDS = ("evictions_per_step",)  # engine-only: how the scheduler spreads the evictions of its requests
 DEFAULT_MAX_WINDOW = 512  # the default cap on a request's window (with max_model_len): its query rings' size
 DEFAULT_SEED = 0  # a request with no seed anywhere: the same kept sets run after run
@@ -106,6 +107,7 @@ class Limits:
     budget: int
     window: int
     requests_allowed: bool = True
+    ring_mib: float | None = None  # the query rings' limit per rank (None: `max_num_seqs` requests at the window cap)
 
     def check(self, config: VaSEConfig | None, own: Mapping[str, Any]) -> None:
         """Refuse a request whose own settings pass a cap, naming the request's key and the cap."""
@@ -133,8 +135,9 @@ def _int_or_zero(value: Any) -> int:
 
 def engine_limits(additional_config: Mapping[str, Any] | None, max_model_len: int) -> Limits:
     """The engine's `Limits`: `max_request_budget` (default `max_model_len`), `max_request_window` (default
-    the smaller of `DEFAULT_MAX_WINDOW` and `max_model_len`) and `request_settings` (default true). The
-    defaults never fall below the engine's own budget and window."""
+    the smaller of `DEFAULT_MAX_WINDOW` and `max_model_len`), `request_settings` (default true) and
+    `max_ring_mib` (default None: `requirements.ring_limit` derives it). The defaults never fall below the
+    engine's own budget and window."""
     raw = _engine_raw(additional_config)
     own = engine_settings(additional_config)
     budget, window = (_int_or_zero(own.get(k)) for k in ("budget", "window"))  # bad ones are VaSEConfig's to refuse
@@ -142,15 +145,24 @@ def engine_limits(additional_config: Mapping[str, Any] | None, max_model_len: in
         "max_request_budget": max(max_model_len, budget),
         "max_request_window": max(min(DEFAULT_MAX_WINDOW, max_model_len), window),
         "request_settings": True,
+        "max_ring_mib": None,
     }
     values = {**defaults, **{k: raw[k] for k in LIMIT_FIELDS if k in raw}}
     for key in LIMIT_FIELDS:
         value, where = values[key], f"{ENGINE_WHERE}[{key!r}]"
         if key == "request_settings" and not isinstance(value, bool):
             raise SettingsError(f"{where} must be true or false, got {value!r}", where)
-        if key != "request_settings" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if key == "max_ring_mib" and value is not None and not _positive_number(value):
+            raise SettingsError(f"{where} must be a positive number of MiB (per rank), got {value!r}", where)
+        if key.startswith("max_request") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise SettingsError(f"{where} must be a positive integer, got {value!r}", where)
-    return Limits(values["max_request_budget"], values["max_request_window"], values["request_settings"])
+    return Limits(
+        values["max_request_budget"], values["max_request_window"], values["request_settings"], values["max_ring_mib"]
+    )
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
 
 def evictions_per_step(additional_config: Mapping[str, Any] | None) -> int | None:
