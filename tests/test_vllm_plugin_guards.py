@@ -294,6 +294,16 @@ def test_many_distinct_windows_hold_only_what_the_requests_in_flight_need():
 # --- a step without its orders ---------------------------------------------------------------------------------
 
 
+def test_a_preempted_requests_rings_are_freed_and_given_again_when_it_resumes():
+    worker = WorkerEviction()
+    config = VaSEConfig(budget=64, window=8)
+    worker.requests["a"] = SimpleNamespace(config=config)
+    worker.rings.assign("a", 8)
+    worker.before_update(None, SimpleNamespace(vasepatch_step=Step(), preempted_req_ids={"a"}))
+    assert "a" not in worker.rings and worker.rings.nbytes == 0
+    assert worker.settings_of(None, "a").config is config and "a" in worker.rings  # resumed: its recompute records
+
+
 def test_a_step_without_its_orders_raises_while_requests_evict():
     worker = WorkerEviction()
     worker.before_update(None, SimpleNamespace())  # nothing evicting: vLLM's own step

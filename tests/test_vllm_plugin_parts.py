@@ -201,12 +201,23 @@ class _Manager:
 
 
 def _scheduler(
-    requests, block_size=16, engine=None, prefix_caching=False, chunk=64, threshold=0, waiting=(), ring_limit=2**40
+    requests,
+    block_size=16,
+    engine=None,
+    prefix_caching=False,
+    chunk=64,
+    threshold=0,
+    waiting=(),
+    ring_limit=2**40,
+    adaptive=False,
 ):
     manager = _Manager(block_size)
     coordinator = SimpleNamespace(single_type_managers=(manager,))
     caching = SimpleNamespace(enable_prefix_caching=prefix_caching)
-    chunks = SimpleNamespace(max_num_batched_tokens=chunk, long_prefill_token_threshold=threshold)
+    chunks = SimpleNamespace(
+        max_num_batched_tokens=chunk, long_prefill_token_threshold=threshold,
+        long_prefill_token_threshold_adaptive=adaptive,
+    )  # fmt: skip
     config = SimpleNamespace(additional_config=engine or {}, cache_config=caching, scheduler_config=chunks)
     rings = scheduler_side.RingBudget(per_token=1, limit=ring_limit)
     return SimpleNamespace(
@@ -224,7 +235,7 @@ def _request(req_id, prompt, extra):
 
 def _decode(request, computed):
     request.num_computed_tokens, request.num_output_tokens = computed, computed - request.num_prompt_tokens + 1
-    request.num_tokens = computed + 1
+    request.num_tokens, request.is_prefill_chunk = computed + 1, False
 
 
 def test_the_plan_evicts_as_the_transformers_cache_does_and_frees_the_tail():
@@ -281,7 +292,7 @@ def test_the_plan_spreads_requests_due_together_over_the_steps_before():
 def _prefill(request, computed):
     """`computed` of the request's prompt (or of its recompute) prefilled, in chunks: not decoding yet."""
     request.num_computed_tokens, request.num_tokens = computed, max(request.num_prompt_tokens, computed + 2)
-    request.num_output_tokens = request.num_tokens - request.num_prompt_tokens
+    request.num_output_tokens, request.is_prefill_chunk = request.num_tokens - request.num_prompt_tokens, True
 
 
 def _chunked(req, scheduler, manager, bs, total, chunks):
@@ -352,12 +363,16 @@ def test_admission_counts_the_blocks_an_evicting_request_will_hold():
     scheduler, _ = _scheduler([], 32, chunk=256, threshold=64, waiting=[_request("d", 40, asks)])
     scheduler_side.plan(scheduler)
     assert scheduler_side.admission_blocks(scheduler.waiting[0], 32) == (64 + 32 + 64) // 32
+    scheduler, _ = _scheduler([], 32, chunk=256, threshold=64, adaptive=True, waiting=[_request("e", 40, asks)])
+    scheduler_side.plan(scheduler)  # vLLM raises the cap to a fair share of the budget: half of it with two requests
+    assert scheduler_side.admission_blocks(scheduler.waiting[0], 32) == (64 + 32 + 128) // 32
 
 
 def test_query_rings_are_counted_at_admission_against_the_engines_limit():
     """Rings of 8 per request (window 8, 1 byte a token) against a limit of 16: two new requests are admitted at
-    one step, a third waits; a preempted one keeps its rings (they count while it waits) and is readmitted; once
-    one finishes, the third fits."""
+    one step, a third waits; a preempted one's rings are freed, so the third fits and the preempted one waits
+    like a new one, until a request finishes. What counts is always the running requests' rings: an engine
+    with nothing running admits any request whose window passed the check on arrival."""
     asks = {"vasepatch_budget": 16, "vasepatch_window": 8}
     a, b, c = (_request(r, 10, asks) for r in "abc")
     full = _request("f", 10, None)
@@ -370,13 +385,18 @@ def test_query_rings_are_counted_at_admission_against_the_engines_limit():
             scheduler_side.rings_taken(kv, request)
             admitted.append(request.request_id)
     assert admitted == ["a", "b", "f"]  # a request with no eviction has no rings
-    scheduler.running, scheduler.waiting = [a, full], [b, c]  # b preempted: its rings stay on the workers
+    scheduler.running, scheduler.waiting = [a, b, full], [c]
     scheduler_side.plan(scheduler)
-    assert getattr(kv, scheduler_side.RINGS_ATTR).held == 16
-    assert scheduler_side.rings_admit(kv, b) and not scheduler_side.rings_admit(kv, c)
-    scheduler.running, scheduler.waiting = [full], [b, c]  # a finished
+    assert getattr(kv, scheduler_side.RINGS_ATTR).held == 16 and not scheduler_side.rings_admit(kv, c)
+    scheduler_side.preempted(b)  # the workers free its rings: c fits now, and b waits behind it like any other
+    scheduler.running, scheduler.waiting = [a, full], [c, b]
     scheduler_side.plan(scheduler)
-    assert scheduler_side.rings_admit(kv, c)
+    assert getattr(kv, scheduler_side.RINGS_ATTR).held == 8 and scheduler_side.rings_admit(kv, c)
+    scheduler_side.rings_taken(kv, c)
+    assert not scheduler_side.rings_admit(kv, b)
+    scheduler.running, scheduler.waiting = [full, c], [b]  # a finished
+    scheduler_side.plan(scheduler)
+    assert scheduler_side.rings_admit(kv, b)
 
 
 def test_the_admission_cap_is_set_for_one_call_and_put_back():

@@ -42,12 +42,17 @@ def waiting(scheduler: Any) -> list[Any]:
 
 
 def largest_chunk(owner: Any) -> int:
-    """The most prompt tokens vLLM prefills for one request at one step, among others, on the engine of a scheduler
-    (or its `VllmConfig`): its per-request cap for long prompts (`long_prefill_token_threshold`) where set, else
-    the step's token budget."""
+    """The most prompt tokens vLLM prefills for one request at one step while others are waiting or running, on
+    the engine of a scheduler (or its `VllmConfig`): the step's token budget, or its per-request cap for long
+    prompts (`long_prefill_token_threshold`) where set, which the adaptive option raises to a fair share of the
+    budget (at most half of it: the cap applies from two requests on). A request alone gets the whole budget."""
     config = getattr(owner, "vllm_config", owner).scheduler_config
     threshold, budget = config.long_prefill_token_threshold, config.max_num_batched_tokens
-    return min(threshold, budget) if threshold > 0 else budget
+    if threshold <= 0:
+        return budget
+    if getattr(config, "long_prefill_token_threshold_adaptive", False):
+        threshold = max(threshold, budget // 2)
+    return min(threshold, budget)
 
 
 @contextmanager
@@ -100,7 +105,7 @@ def request_sampling(request: Any) -> tuple[Any, int | None] | None:
 def decoding(request: Any) -> bool:
     """Whether the request's prompt (or its recomputation after preemption) is done: every token but the
     last sampled one has its KV."""
-    return request.num_output_tokens >= 1 and request.num_computed_tokens == request.num_tokens - 1
+    return request.num_output_tokens >= 1 and not request.is_prefill_chunk
 
 
 def prompt_tokens(request: Any) -> int:
@@ -152,6 +157,11 @@ def capped_hit(manager: Any, found: tuple[Any, ...], tokens: int) -> tuple[Any, 
 
 
 # --- the model runner (worker process) ----------------------------------------------------------------------
+
+
+def preempted(scheduler_output: Any) -> set[str]:
+    """The requests the scheduler preempted since the last step (their blocks are freed)."""
+    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
 
 
 def runner_sampling(runner: Any, req_id: str) -> tuple[Any, int | None] | None:

@@ -71,7 +71,7 @@ class RequestState:
     pinned: int = 0  # slots no eviction touches: the prompt as the scheduler first saw it, with prefill="pin" (a
     # streaming-input session later counts what it generated as prompt, and those slots have been compacted)
     most: int | None = None  # the most slots it ever holds (`held_at_most`); None: it never evicts
-    ringed: bool = False  # the workers hold its query rings: it has run (a preempted one keeps them until it ends)
+    ringed: bool = False  # the workers hold its query rings: it runs (a preempted one's are freed, `preempted`)
 
     def reset(self) -> None:
         """Preempted: vLLM frees every block and recomputes the whole sequence, which then compresses
@@ -153,10 +153,13 @@ def admission_blocks(request: Any, block_size: int) -> int | None:
 
 
 def preempted(request: Any) -> None:
-    """vLLM preempted `request`: it starts over (`RequestState.reset`), saying so if it had evicted."""
+    """vLLM preempted `request`: it starts over (`RequestState.reset`), saying so if it had evicted. The workers
+    free its query rings (`worker_side`), so they no longer count against the limit: what the rings hold is
+    always the running requests', and an engine with nothing running admits any request."""
     state = getattr(request, "vasepatch", None)
     if state is None:
         return
+    state.ringed = False
     if state.dropped:
         LOG.info(
             "vasepatch: request %s preempted after %d evictions (%d positions dropped): it is recomputed from its "
@@ -205,8 +208,7 @@ def plan(scheduler: Any) -> Step:
     due, early = [], []
     rings, held = ring_budget(scheduler), 0
     for request in access.waiting(scheduler):  # admission reads their state (`admission_blocks`, `rings_admit`)
-        state = state_of(request, scheduler)
-        held += rings.need(state) if state.ringed else 0
+        state_of(request, scheduler)
     for request in access.running(scheduler):
         state = state_of(request, scheduler)
         config, state.ringed = state.config, True

@@ -10,7 +10,8 @@ Per step, in order (`patches` calls these from vLLM's model runner and attention
    attention's `seq_lens` become physical (`- dropped`) and the slot mapping is recomputed from
    `positions - dropped`. Then the query rings are told which tokens to keep.
 3. `record` (in the attention backend's `forward`, after RoPE): the planned queries go to the rings.
-4. `removed` (the request finished): its side state is freed.
+4. `removed` (the request finished): its side state is freed. A preempted request's rings are freed at once
+   (`before_update`), and given again when it resumes: its recompute records its queries anew.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ class WorkerEviction:
             engine, caching = access.engine_config(runner), access.prefix_caching(runner)
             config = None if given is None else settings.resolve(engine, *given, prefix_caching=caching)
             self.requests[req_id] = None if config is None else _Request(config, policies.for_config(config))
-            if config is not None:
-                self.rings.assign(req_id, config.window)
-        return self.requests[req_id]
+        state = self.requests[req_id]
+        if state is not None and req_id not in self.rings:  # new, or resumed after a preemption freed its rings
+            self.rings.assign(req_id, state.config.window)
+        return state
 
     def before_update(self, runner: Any, scheduler_output: Any) -> None:
         self.rings.clear_plan()
@@ -70,6 +72,8 @@ class WorkerEviction:
                 )
             step = Step()
         self.dropped = step.dropped
+        for req_id in access.preempted(scheduler_output):  # its recompute records its queries again
+            self.rings.release(req_id)
         due = [(req_id, order) for req_id, order in step.orders.items() if access.holds(runner, req_id)]
         if due:
             self.evict(runner, due)
