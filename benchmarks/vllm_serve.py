@@ -23,7 +23,10 @@ on the plugin keeps the prompt, `prefill="pin"`, which holds `prompt` more slots
 Recorded per run, from vLLM's benchmark result: output tok/s and its ratio to `full` at the same pool and
 rate, TTFT, TPOT and ITL at p50 and p99, the most requests open at once on the client's side (sent and not
 yet answered, vLLM's `max_concurrent_requests`; how many vLLM runs at once is in its server log), completed and
-failed requests, duration.
+failed requests, duration. And the steady state, from the server's own log: vLLM's engine logs its
+generation tok/s and its running and waiting requests every 10 s; over the lines of a run logged while
+requests were waiting (the pool full, before the last wave drains), the mean tok/s and requests running
+(`steady_tok_s`, `steady_running`, and `steady_vs_full`). A run's last wave does not enter them.
 Writes `results.json` (after every run: an interrupted run keeps what it measured) and `results.md` (the
 table, with the command) to `--out`. Requires the vLLM venv (docs/vllm.md, Install).
 """
@@ -35,6 +38,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -46,6 +50,10 @@ from pathlib import Path
 from typing import Any
 
 STARTUP_S = 600  # an engine's start on 2 busy cores: usually under 2 minutes
+STATS = re.compile(
+    r"(\d\d-\d\d \d\d:\d\d:\d\d)[.\d]* \[loggers\.py:\d+\] Engine \d+: Avg prompt throughput: [\d.]+ tokens/s, "
+    r"Avg generation throughput: ([\d.]+) tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs"
+)
 METRICS = ("ttft", "tpot", "itl")
 
 
@@ -175,10 +183,34 @@ def run(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
             for i, rate in enumerate(rates):
                 for method in rotated(methods, i):
                     row = {"pool_fits": fits, "pool_blocks": blocks, "rate": rate, "method": method}
+                    began = time.time()
                     row.update(bench(args, url, model, method, rate, args.requests))
+                    row.update(steady(args.out / f"server-pool{fits}.log", began, time.time()))
                     rows.append(row)
                     save(args, argv, rows, where)
     return rows
+
+
+def steady(log: Path, start: float, end: float) -> dict[str, Any]:
+    """The steady state of one run, from the server's log: over vLLM's 10-second stat lines logged between
+    `start` and `end` (wall-clock seconds) while requests were waiting, the mean generation tok/s and requests
+    running, and the seconds they cover; None where no line qualifies (a run below saturation)."""
+    import datetime
+
+    year = datetime.datetime.fromtimestamp(start).year
+    lines = []
+    with contextlib.suppress(OSError):
+        for match in STATS.finditer(log.read_text(errors="replace")):
+            at = datetime.datetime.strptime(f"{year}-{match[1]}", "%Y-%m-%d %H:%M:%S").timestamp()
+            if start <= at <= end and int(match[4]) > 0:
+                lines.append((float(match[2]), int(match[3])))
+    if not lines:
+        return {"steady_tok_s": None, "steady_running": None, "steady_s": 0}
+    return {
+        "steady_tok_s": sum(t for t, _ in lines) / len(lines),
+        "steady_running": sum(r for _, r in lines) / len(lines),
+        "steady_s": 10 * len(lines),
+    }
 
 
 def machine(args: argparse.Namespace, model: str) -> str:
@@ -210,6 +242,8 @@ def save(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any]], 
         full = next((r for r in rows if r["method"] == "full" and r["pool_fits"] == row["pool_fits"]
                      and r["rate"] == row["rate"]), None)  # fmt: skip
         row["vs_full"] = None if full is None else row["output_throughput"] / full["output_throughput"]
+        mine, theirs = row.get("steady_tok_s"), None if full is None else full.get("steady_tok_s")
+        row["steady_vs_full"] = None if mine is None or not theirs else mine / theirs
     command = "python benchmarks/vllm_serve.py " + " ".join(argv)
     record = {"command": command, "machine": where, "runs": rows}
     (args.out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -217,16 +251,23 @@ def save(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any]], 
 
 
 def table(command: str, rows: list[dict[str, Any]], where: str = "") -> str:
-    head = "| pool | rate | method | out tok/s | vs full | requests open (max) |"
+    head = "| pool | rate | method | out tok/s | vs full | steady tok/s (vs full; running) | requests open (max) |"
     head += "".join(f" {m.upper()} p50 / p99 (ms) |" for m in METRICS)
-    lines = [f"`{command}`", "", *([where, ""] if where else []), head, "|" + "---|" * (6 + len(METRICS))]
+    lines = [f"`{command}`", "", *([where, ""] if where else []), head, "|" + "---|" * (7 + len(METRICS))]
     for r in rows:
         ratio = "" if r["vs_full"] is None else f"{r['vs_full']:.2f}x"
         cells = [f"{r['pool_fits']} full ({r['pool_blocks']} blocks)", r["rate"], r["method"]]
-        cells += [f"{r['output_throughput']:.1f}", ratio, str(r["max_concurrent_requests"])]
+        cells += [f"{r['output_throughput']:.1f}", ratio, _steady(r), str(r["max_concurrent_requests"])]
         cells += [f"{r[f'p50_{m}_ms']:.0f} / {r[f'p99_{m}_ms']:.0f}" for m in METRICS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _steady(row: dict[str, Any]) -> str:
+    if row.get("steady_tok_s") is None:
+        return "—"
+    ratio = "" if row.get("steady_vs_full") is None else f"{row['steady_vs_full']:.2f}x; "
+    return f"{row['steady_tok_s']:.1f} ({ratio}{row['steady_running']:.1f})"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,7 +69,7 @@ def test_ratios_are_to_the_full_cache_at_the_same_pool_and_rate(serve, tmp_path)
     assert "\nSmolLM2, bfloat16, a CPU (2 CPUs), vLLM 0.32.0\n" in (tmp_path / "results.md").read_text()
     assert [r["vs_full"] for r in saved["runs"]] == [1.0, 2.4, 1.5, 1.0]
     assert saved["command"] == "python benchmarks/vllm_serve.py --out X"
-    assert "| 2 full (25 blocks) | inf | vase | 120.0 | 2.40x | 8 |" in (tmp_path / "results.md").read_text()
+    assert "| 2 full (25 blocks) | inf | vase | 120.0 | 2.40x | — | 8 |" in (tmp_path / "results.md").read_text()
 
 
 def test_the_figure_groups_runs_by_workload_pool_and_rate(tmp_path):
@@ -119,3 +119,30 @@ def test_the_offline_benchmark_rotates_its_methods_and_takes_ratios_within_a_rep
     args = offline.parse_args(["--repeats", "3", "--warmups", "0"])
     assert (args.repeats, args.warmups) == (3, 0)
     assert offline.parse_args([]).warmups == 2
+
+
+def test_the_steady_state_reads_the_servers_stat_lines_while_requests_wait(serve, tmp_path):
+    line = (
+        "(APIServer pid=1) INFO 12-02 17:{m:02d}:{s:02d} [loggers.py:335] Engine 000: Avg prompt throughput: 0.0 "
+        "tokens/s, Avg generation throughput: {tok} tokens/s, Running: {run} reqs, Waiting: {wait} reqs, CPU KV cache "
+        "usage: 90.0%"
+    )
+    stats = [(0, 0, 100.0, 4, 20), (0, 10, 120.0, 6, 10), (0, 20, 80.0, 5, 0), (1, 0, 999.0, 9, 9)]
+    log = tmp_path / "server.log"
+    log.write_text("noise\n" + "\n".join(line.format(m=m, s=s, tok=t, run=r, wait=w) for m, s, t, r, w in stats))
+    import datetime
+
+    start = datetime.datetime(2026, 12, 2, 17, 0, 0).timestamp()
+    got = serve.steady(log, start, start + 30)  # the last wave (nothing waiting) and a later run left out
+    assert got == {"steady_tok_s": 110.0, "steady_running": 5.0, "steady_s": 20}
+    assert serve.steady(log, start + 100, start + 200)["steady_tok_s"] is None
+    rows = [
+        {"pool_fits": 2, "pool_blocks": 9, "rate": "inf", "method": m, "output_throughput": t, "steady_tok_s": st,
+         "steady_running": 3.0, "max_concurrent_requests": 8, **{f"p{p}_{k}_ms": 1.0 for p in (50, 99)
+                                                                  for k in serve.METRICS}}
+        for m, t, st in (("full", 50.0, 60.0), ("vase", 100.0, 180.0))
+    ]  # fmt: skip
+    args = serve.parse_args(["--out", str(tmp_path)])
+    serve.save(args, ["--out", "x"], rows)
+    assert [r["steady_vs_full"] for r in rows] == [1.0, 3.0]
+    assert "| 180.0 (3.00x; 3.0) |" in (tmp_path / "results.md").read_text()
