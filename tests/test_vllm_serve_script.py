@@ -146,3 +146,16 @@ def test_the_steady_state_reads_the_servers_stat_lines_while_requests_wait(serve
     serve.save(args, ["--out", "x"], rows)
     assert [r["steady_vs_full"] for r in rows] == [1.0, 3.0]
     assert "| 180.0 (3.00x; 3.0) |" in (tmp_path / "results.md").read_text()
+
+
+def test_the_commands_the_docs_give_parse(serve):
+    """Every `vllm_serve.py` command block in docs/vllm.md (continuation lines joined) is one the script takes."""
+    import shlex
+
+    text = (ROOT / "docs" / "vllm.md").read_text().replace("\\\n", " ")
+    commands = [line for line in text.splitlines() if line.startswith(".venv-vllm/bin/python benchmarks/vllm_serve.py")]
+    assert len(commands) >= 2
+    for line in commands:
+        words = shlex.split(line[line.index("benchmarks/vllm_serve.py") :])[1:]
+        args = serve.parse_args(words)
+        assert args.methods.split(",") == ["full", "vase", "snapkv", "streaming"]
