@@ -130,7 +130,9 @@ def test_the_query_rings_limit_holds_requests_back_until_their_rings_fit(smollm2
         steps = llm.collective_rpc(block_steps)[0]
         state = llm.collective_rpc(worker_state)[0]
         with pytest.raises(VLLMValidationError, match=r"window=70 needs 4.6 MiB .*\['max_ring_mib'\]"):
-            llm.generate(prompts[:1], SamplingParams(max_tokens=2, extra_args={**asks, "vasepatch_window": 70}))
+            llm.generate(
+                prompts[:1], SamplingParams(max_tokens=2, extra_args={"vasepatch_budget": 128, "vasepatch_window": 70})
+            )
     assert [len(o.outputs[0].token_ids) for o in outputs] == [40] * 6
     evicting = {o.request_id for o in outputs[:5]}  # vLLM's own ids add a suffix: "1-<8 hex digits>"
     running = [sum(1 for r in step if r.rsplit("-", 1)[0] in evicting) for step in steps]
