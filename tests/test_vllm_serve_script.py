@@ -116,9 +116,9 @@ def test_the_offline_benchmark_rotates_its_methods_and_takes_ratios_within_a_rep
     assert [r.get("vs_full") for r in runs if r["method"] == "vase" and "tok_s" in r] == [2.4, 2.5, 130 / 45]
     median = {r["method"]: (r["tok_s"], r["repeat"]) for r in offline.medians(runs)}
     assert median == {"full": (45.0, 2), "vase": (120.0, 0)}  # the failed run is left out
-    args = offline.parse_args(["--repeats", "3", "--warmups", "0"])
+    args = offline.parse_args(["--model", "/models/m", "--repeats", "3", "--warmups", "0"])  # no model is resolved
     assert (args.repeats, args.warmups) == (3, 0)
-    assert offline.parse_args([]).warmups == 2
+    assert offline.parse_args(["--model", "/models/m"]).warmups == 2
 
 
 def test_the_steady_state_reads_the_servers_stat_lines_while_requests_wait(serve, tmp_path):
