@@ -131,7 +131,7 @@ def test_evictions_per_step_spreads_requests_that_start_together(smollm2_path, p
         steps = llm.collective_rpc(eviction_steps)[0]
         most = max(len(b) for runs in llm.collective_rpc(seen_blocks)[0].values() for b in runs[1:])
     assert all(len(o.outputs[0].token_ids) == 3 * WINDOW + 4 for o in outputs)
-    decode = [rounds for _, _, rounds in steps if min(rounds) >= 1]
+    decode = [[r for r in rounds if r >= 1] for _, _, rounds in steps]  # a late prompt may compress beside one
     assert sum(len(r) for r in decode) == 4 * 3  # three decode evictions each
     assert max(len(r) for r in decode) == 1, steps  # one request per step
     assert most <= -(-(BUDGET + WINDOW) // BLOCK)  # evicting early never holds more
