@@ -34,7 +34,7 @@ def figure(found: list[tuple[str, list[dict[str, Any]]]], suptitle: str):
     """Two panels: output tok/s per method and group, each bar labelled with its ratio to `full`; ITL p50
     (bars) and p99 (markers) in ms."""
     methods = list(dict.fromkeys(run["method"] for _, runs in found for run in runs))
-    fig, axes = style.subplots(1, 2, panel=(6.5, 4.2))
+    fig, axes = style.subplots(1, 2, panel=(max(6.5, 1.7 * len(found)), 4.2))  # room for every group's label
     width = 0.8 / max(len(methods), 1)
     for i, method in enumerate(methods):
         xs, tok, ratio, p50, p99 = [], [], [], [], []
