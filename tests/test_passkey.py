@@ -203,5 +203,5 @@ def test_the_prompt_actually_built_is_checked_against_the_loaded_model(model_dir
     settings = TaskSettings(task="passkey", context_lengths=[300], samples=1, out=str(tmp_path / "o"))
     message = r"pass-key prompt \(\d+ tokens\) with --max-new-tokens 12 needs \d+ positions, more than the 300 "
     with pytest.raises(ValueError, match=message):
-        passkey.run(settings, model, tok)
+        passkey.run(settings, answers.TransformersAnswers(model, tok))
     assert not (tmp_path / "o").exists()

@@ -343,9 +343,32 @@ def load(name_or_path: str | os.PathLike[str], dtype: torch.dtype | None = None,
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(folder)
     model = model.to(device).eval()
+    _ready_to_chat(name_or_path, model, tokenizer)
+    return model, tokenizer
+
+
+def _ready_to_chat(name_or_path: str | os.PathLike[str], model: Any, tokenizer: Any) -> None:
+    """A registered model's chat format where its tokenizer has none; left padding with a pad token."""
     if str(name_or_path) in _CHAT_FORMATS:
         add_chat_format(model, tokenizer, *_CHAT_FORMATS[str(name_or_path)])
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return model, tokenizer
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str]) -> tuple[Any, Any]:
+    """`load`'s tokenizer, without the weights, and the model's generation config with a registered model's end
+    of turn among its EOS ids (as `load` sets it): for an engine that loads the model itself (vLLM)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder = resolve(name_or_path)
+    with no_progress_bars():
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        try:
+            generation = GenerationConfig.from_pretrained(folder)
+        except OSError:  # no generation_config.json: the model config's defaults, as from_pretrained uses them
+            generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(folder))
+    _ready_to_chat(name_or_path, SimpleNamespace(generation_config=generation), tokenizer)
+    return tokenizer, generation

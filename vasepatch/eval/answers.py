@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import vasepatch
 from vasepatch.config import VaSEConfig
+from vasepatch.eval import cli_options
 
 
 class Completion(NamedTuple):
@@ -171,6 +172,28 @@ class PolicyRun:
     make_record: Callable[[Item, Completion, str], dict[str, Any]]
 
 
+def append(path: Path, record: dict[str, Any]) -> None:
+    """Append `record` to the jsonl file `path`, on a line of its own even after a line cut by an interruption
+    (which `load` skips, so that its item is answered again)."""
+    with open(path, "a+b") as f:  # writes go to the end whatever was read
+        cut = False
+        if f.seek(0, 2) > 0:
+            f.seek(-1, 2)
+            cut = f.read(1) != b"\n"
+        f.write((b"\n" if cut else b"") + json.dumps(record).encode() + b"\n")
+
+
+def record_of(run: PolicyRun, item: Item, completion: Completion, tokenizer) -> dict[str, Any]:
+    """The record of one answer, as its file keeps it: the task's fields, the policy, the KV bytes and the run key."""
+    text = tokenizer.decode(completion.tokens, skip_special_tokens=True)
+    return {
+        **run.make_record(item, completion, text),
+        "policy": run.config.policy,
+        "kv_bytes": completion.kv_bytes,
+        "run": json.dumps(run.key),
+    }
+
+
 def answer_all(run: PolicyRun, model, tokenizer, batches: list[tuple[int, list[Item]]], bar=None) -> list[dict]:
     """Answer every `(seed, items)` batch not answered yet; the records of all items, in order.
     `bar` (a `progress.Progress`) advances by each batch's items and the tokens generated."""
@@ -181,20 +204,36 @@ def answer_all(run: PolicyRun, model, tokenizer, batches: list[tuple[int, list[I
         generated = 0
         if todo:
             completions = generate(model, tokenizer, run.config, [item.prompt for item in items], run.decoding, seed)
-            with open(run.path, "a") as f:
-                for item, completion in zip(items, completions, strict=True):
-                    if item.ident in done:
-                        continue
-                    text = tokenizer.decode(completion.tokens, skip_special_tokens=True)
-                    record = {
-                        **run.make_record(item, completion, text),
-                        "policy": run.config.policy,
-                        "kv_bytes": completion.kv_bytes,
-                        "run": json.dumps(run.key),
-                    }
-                    f.write(json.dumps(record) + "\n")
-                    done[item.ident] = record
+            for item, completion in zip(items, completions, strict=True):
+                if item.ident in done:
+                    continue
+                record = record_of(run, item, completion, tokenizer)
+                append(run.path, record)
+                done[item.ident] = record
             generated = sum(len(c.tokens) for c in completions)
         if bar is not None:
             bar.advance(len(items), generated)
     return [done[item.ident] for _, items in batches for item in items]
+
+
+class TransformersAnswers:
+    """The answers of an evaluation's runs from a transformers `model`, patched with each run's cache in turn,
+    in batches of left-padded prompts (`answer_all`). `vasepatch.eval.vllm_answers.VLLMAnswers` is the same
+    interface on a vLLM engine."""
+
+    def __init__(self, model, tokenizer) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.model_class = type(model).__name__
+
+    def environment(self) -> dict[str, Any]:
+        return cli_options.environment(self.model)
+
+    def answer(self, settings, batches, make_record, ident, bar=None) -> list[list[dict[str, Any]]]:
+        """Every run's records (`settings.policies`, one after another) of every item of `batches`."""
+        out = []
+        for name in settings.policies:
+            if bar is not None:
+                bar.phase(name, settings.task)
+            run = settings.policy_run(name, self.model_class, make_record, ident)
+            out.append(answer_all(run, self.model, self.tokenizer, batches, bar))
+        return out

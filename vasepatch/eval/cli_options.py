@@ -17,6 +17,7 @@ from vasepatch.config import FULL, PREFILL_MODES, VaSEConfig
 
 SHARED_HEADS = ("off", "on", "both")
 SHARED_SUFFIX = "+shared"  # the run of a policy with shared_heads=True, under --shared-heads both
+BUDGET_MARK = "@"  # `vase@64`: the run of a policy at its own budget (the run's other cache settings unchanged)
 
 
 def default_config() -> VaSEConfig:
@@ -32,9 +33,20 @@ def parse_policies(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+def split_budget(name: str) -> tuple[str, int | None]:
+    """A run name and its own budget: `"vase@64"` -> `("vase", 64)`, `"vase"` -> `("vase", None)`;
+    `ValueError` for a budget that is not a positive int."""
+    name, mark, budget = name.partition(BUDGET_MARK)
+    if not mark:
+        return name, None
+    if not budget.isdigit() or int(budget) < 1:
+        raise ValueError(f"policy {name}{mark}{budget}: the budget after {BUDGET_MARK!r} must be a positive int")
+    return name, int(budget)
+
+
 def base_name(name: str) -> str:
-    """The policy of a run name (`"vase+shared"` -> `"vase"`)."""
-    return name.removesuffix(SHARED_SUFFIX)
+    """The policy of a run name (`"vase+shared"` -> `"vase"`, `"vase@64"` -> `"vase"`)."""
+    return split_budget(name)[0].removesuffix(SHARED_SUFFIX)
 
 
 def with_shared(names: list[str], shared_heads: str) -> list[str]:
@@ -54,11 +66,15 @@ def with_shared(names: list[str], shared_heads: str) -> list[str]:
 
 
 def run_config(config: VaSEConfig, name: str) -> VaSEConfig:
-    """The cache config of run `name`: `config` with its policy, and `shared_heads=True` for a
-    `<policy>+shared` run."""
-    if name.endswith(SHARED_SUFFIX):
-        return config.replace(policy=base_name(name), shared_heads=True)
-    return config.replace(policy=name)
+    """The cache config of run `name`: `config` with its policy, `shared_heads=True` for a
+    `<policy>+shared` run, and its own budget for a `<policy>@<budget>` run."""
+    named, budget = split_budget(name)
+    changes: dict[str, Any] = {"policy": base_name(name)}
+    if named.endswith(SHARED_SUFFIX):
+        changes["shared_heads"] = True
+    if budget is not None:
+        changes["budget"] = budget
+    return config.replace(**changes)
 
 
 def check_run(config: VaSEConfig, names: list[str]) -> None:
@@ -66,11 +82,20 @@ def check_run(config: VaSEConfig, names: list[str]) -> None:
     if not isinstance(config, VaSEConfig):
         raise ValueError(f"config must be a vasepatch.VaSEConfig, got {type(config).__name__}")
     known = policy_names()  # the registry's names, without importing it (and torch) for a parser's defaults
-    unknown = [name for name in names if base_name(name) not in known or name == FULL + SHARED_SUFFIX]
+    unknown = [name for name in names if base_name(name) not in known or split_budget(name)[0] == FULL + SHARED_SUFFIX]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(known)}")
     if not names:
         raise ValueError("policies must name at least one policy")
+    if len(set(names)) != len(names):
+        raise ValueError(f"policies must not repeat a run, got {names}")
+    for name in names:
+        if base_name(name) == FULL and split_budget(name)[1] is not None:
+            raise ValueError(f"policy {name}: full keeps every token, so it takes no budget")
+        try:
+            run_config(config, name)
+        except ValueError as err:  # a budget the other settings do not allow: VaSEConfig's own message
+            raise ValueError(f"policy {name}: {err}") from None
     if config.seed is None:
         raise ValueError("the eval needs a seeded config (seed=None would not be reproducible)")
 
@@ -95,11 +120,12 @@ def cache_header(config: VaSEConfig) -> dict[str, Any]:
 
 
 def environment(model) -> dict[str, Any]:
-    """The model class and the torch / transformers versions of a run."""
+    """The model class (`model`: the model, or its class's name) and the torch / transformers versions of a run."""
     import torch
     import transformers
 
-    return {"model_class": type(model).__name__, "torch": torch.__version__, "transformers": transformers.__version__}
+    model_class = model if isinstance(model, str) else type(model).__name__
+    return {"model_class": model_class, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

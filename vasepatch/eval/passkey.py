@@ -88,35 +88,37 @@ def summarise(name: str, records: list[dict[str, Any]], settings: TaskSettings):
     return rows, by_depth
 
 
-def run(settings: TaskSettings, model, tokenizer, echo: bool = False) -> list[Path]:
-    """Pass-key accuracy of every policy; writes `passkey.json`, `.md`, `.png` under `settings.out`
-    (`echo`: and prints the results table)."""
-    work = batches(settings, tokenizer)
+def run(settings: TaskSettings, answerer, echo: bool = False) -> list[Path]:
+    """Pass-key accuracy of every run; writes `passkey.json`, `.md`, `.png` under `settings.out`
+    (`echo`: and prints the results table). `answerer`: `answers.TransformersAnswers` or
+    `vllm_answers.VLLMAnswers`."""
+    work = batches(settings, answerer.tokenizer)
     per_policy = sum(len(b) for _, b in work)
     longest = max(item.fields["prompt_tokens"] for _, batch in work for item in batch)
     check_positions(
         settings.model,
-        max_positions(model),
+        max_positions(getattr(answerer, "model", settings.model)),
         {
             f"the longest pass-key prompt ({longest} tokens) with --max-new-tokens {settings.max_new_tokens}": longest
             + settings.max_new_tokens
         },
     )
     bar = Progress(len(settings.policies) * per_policy, "prompt")
-    results, by_depth = [], []
     try:  # the bar ends its line before any error is printed
-        for name in settings.policies:
-            bar.phase(name, PASSKEY)
-            run = settings.policy_run(name, model, make_record, ident=lambda r: (r["context_length"], r["index"]))
-            rows, depth_rows = summarise(name, answers.answer_all(run, model, tokenizer, work, bar), settings)
-            results += rows
-            by_depth += depth_rows
+        per_run = answerer.answer(settings, work, make_record, lambda r: (r["context_length"], r["index"]), bar)
     finally:
         bar.close()
+    results, by_depth = [], []
+    for name, records in zip(settings.policies, per_run, strict=True):
+        rows, depth_rows = summarise(name, records, settings)
+        results += rows
+        by_depth += depth_rows
     title = "Pass-key retrieval accuracy"
     tables = {"by_depth": (by_depth, DEPTH_COLUMNS)}
-    header = settings.header(model)
+    header = {**settings.header(answerer.model_class), **answerer.environment()}
     header["grading"] = grading.method(PASSKEY)
     header["batch_size"] = min(settings.batch_size, settings.samples)  # a batch never mixes context lengths
+    if settings.engine == "vllm":
+        header["batch_size"] = None
     plot = plots.passkey_plot(results, by_depth, header)
     return report.write(Path(settings.out), PASSKEY, header, results, COLUMNS, title, plot, tables=tables, echo=echo)

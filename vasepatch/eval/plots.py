@@ -105,10 +105,39 @@ def task_tokens(results: list[dict[str, Any]], header: dict[str, Any]) -> float 
     return None
 
 
+def budget_curves(results: list[dict[str, Any]], header: dict[str, Any]) -> dict[str, list[tuple[int, dict]]]:
+    """Per policy run at more than one budget (`vase` at the run's budget, `vase@64`, ...): its rows by budget."""
+    curves: dict[str, list[tuple[int, dict]]] = {}
+    for row in results:
+        name, _, budget = row["policy"].partition("@")
+        if name != "full":
+            curves.setdefault(name, []).append((int(budget) if budget else header.get("budget", 0), row))
+    return {name: sorted(points, key=lambda p: p[0]) for name, points in curves.items() if len(points) > 1}
+
+
+def _budget_axis(ax, results: list[dict[str, Any]], curves: dict[str, list[tuple[int, dict]]]) -> None:
+    """Accuracy against the budget, with 95% intervals; the full cache's accuracy as a band."""
+    for i, (name, points) in enumerate(curves.items()):
+        budgets = [b for b, _ in points]
+        acc = [100 * r["accuracy"] for _, r in points]
+        bounds = [[100 * x for x in r.get("ci95", [r["accuracy"]] * 2)] for _, r in points]
+        low = [max(0.0, a - lo) for a, (lo, _) in zip(acc, bounds, strict=True)]  # rounding: never below zero
+        high = [max(0.0, hi - a) for a, (_, hi) in zip(acc, bounds, strict=True)]
+        ax.errorbar(budgets, acc, yerr=[low, high], capsize=3, label=name, **style.series(i))
+    for row in (r for r in results if r["policy"] == "full"):
+        lo, hi = row.get("ci95", [row["accuracy"]] * 2)
+        ax.axhspan(100 * lo, 100 * hi, color="0.85", label="full (95% interval)")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="budget (KV pairs kept)", ylabel="accuracy (%), 95% interval")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
 def task_figure(results: list[dict[str, Any]], header: dict[str, Any]):
-    """Accuracy and KV memory per policy."""
-    fig, axes = style.subplots(1, 2, panel=(5.5, 4.2))
-    ax1, ax2 = axes[0]
+    """Accuracy and KV memory per run; and accuracy against the budget where a policy ran at several."""
+    curves = budget_curves(results, header)
+    fig, axes = style.subplots(1, 3 if curves else 2, panel=(5.5, 4.2))
+    ax1, ax2 = axes[0][:2]
     names = [r["policy"] for r in results]
     colors = [style.series(i)["color"] for i in range(len(results))]
     acc, err = [100 * r["accuracy"] for r in results], [100 * r["stderr"] for r in results]
@@ -119,6 +148,8 @@ def task_figure(results: list[dict[str, Any]], header: dict[str, Any]):
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", rotation=30)
         ax.grid(axis="y", alpha=0.3)
+    if curves:
+        _budget_axis(axes[0][2], results, curves)
     task = header.get("task", "task")
     return style.finish(fig, _title(f"Accuracy on {task}", header, task_tokens(results, header)))
 

@@ -27,11 +27,11 @@ from vasepatch.cli_args import (
     number_list,
     output_dir,
 )
-from vasepatch.eval import answers, cli_options, data, grading, metrics, passkey, plots, report
+from vasepatch.eval import answers, cli_options, data, grading, metrics, paired, passkey, plots, report, vllm_answers
 from vasepatch.eval.progress import Progress, require_extras
-from vasepatch.eval.task_settings import PASSKEY, TASK_DEFAULTS, TASKS, TaskSettings
+from vasepatch.eval.task_settings import ENGINES, PASSKEY, TASK_DEFAULTS, TASKS, VLLM_DTYPES, TaskSettings
 
-COLUMNS = ("policy", "accuracy", "stderr", "n", "mean_tokens", "loop_rate", "truncated_rate", "kv_bytes")
+COLUMNS = ("policy", "accuracy", "stderr", "ci95", "n", "mean_tokens", "loop_rate", "truncated_rate", "kv_bytes")
 
 
 def _batches(settings: TaskSettings, examples: list[data.Example], prompts: list[str]):
@@ -61,7 +61,8 @@ def _record(task: str, item: answers.Item, completion: answers.Completion, text:
 
 
 def summarise(name: str, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """One result row: accuracy (its standard error over problems), lengths, loops, KV bytes."""
+    """One result row: accuracy (its standard error over problems, and Wilson's 95% interval over answers),
+    lengths, loops, KV bytes."""
     by_example: dict[str, list[float]] = {}
     for r in records:
         by_example.setdefault(r["id"], []).append(float(r["correct"]))
@@ -71,6 +72,7 @@ def summarise(name: str, records: list[dict[str, Any]]) -> dict[str, Any]:
         "policy": name,
         "accuracy": acc,
         "stderr": se,
+        "ci95": list(paired.wilson(sum(bool(r["correct"]) for r in records), n)),
         "n": n,
         "mean_tokens": sum(r["n_tokens"] for r in records) / max(n, 1),
         "loop_rate": sum(r["looping"] for r in records) / max(n, 1),
@@ -80,36 +82,39 @@ def summarise(name: str, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def used(settings: TaskSettings, header: dict[str, Any], items: int, records: list[dict[str, Any]]) -> None:
-    """Put the values a run actually used into its `header`: the batch size (no larger than the
-    work), and the longest sequence (prompt + answer) with its compression, `longest / budget`."""
-    header["batch_size"] = min(settings.batch_size, items)
+    """Put the values a run actually used into its `header`: the batch size (no larger than the work; the
+    transformers path), and the longest sequence (prompt + answer) with its compression, `longest / budget`."""
+    if settings.engine == "transformers":  # vLLM batches the requests itself
+        header["batch_size"] = min(settings.batch_size, items)
     lengths = [r["prompt_tokens"] + r["n_tokens"] for r in records if "prompt_tokens" in r]
     if lengths:
         header.update(longest_sequence=max(lengths), compression=round(max(lengths) / settings.config.budget, 2))
 
 
-def run_math(settings: TaskSettings, model, tokenizer, examples: list[data.Example], echo: bool = False) -> list[Path]:
-    """Accuracy of every policy on the problems `examples`."""
+def run_math(settings: TaskSettings, answerer, examples: list[data.Example], echo: bool = False) -> list[Path]:
+    """Accuracy of every run on the problems `examples`; `answerer`: `answers.TransformersAnswers` or
+    `vllm_answers.VLLMAnswers`."""
+    tokenizer = answerer.tokenizer
     batches = _batches(settings, examples, data.chat_prompts(tokenizer, [e.question for e in examples]))
     make_record = partial(_record, settings.task)
     per_policy = len(examples) * settings.samples
     bar = Progress(len(settings.policies) * per_policy, "answer")
-    results, records = [], []
     try:  # the bar ends its line before any error is printed
-        for name in settings.policies:
-            bar.phase(name, settings.task)
-            run = settings.policy_run(name, model, make_record, ident=lambda r: (r["id"], r["sample"]))
-            records += answers.answer_all(run, model, tokenizer, batches, bar)
-            results.append(summarise(name, records[-per_policy:]))
+        per_run = answerer.answer(settings, batches, make_record, lambda r: (r["id"], r["sample"]), bar)
     finally:
         bar.close()
+    results = [summarise(name, records) for name, records in zip(settings.policies, per_run, strict=True)]
+    records = [r for run in per_run for r in run]
     title = f"Accuracy on {settings.task}"
-    header = settings.header(model)
+    header = {**settings.header(answerer.model_class), **answerer.environment()}
     header["problems"] = len(examples)
     header["grading"] = grading.describe([r.get("grading") for r in records])
     used(settings, header, per_policy, records)
+    tables = paired.tables(settings.policies, per_run)
     plot = plots.task_plot(results, header)
-    return report.write(Path(settings.out), settings.task, header, results, COLUMNS, title, plot, echo=echo)
+    return report.write(
+        Path(settings.out), settings.task, header, results, COLUMNS, title, plot, tables=tables, echo=echo
+    )
 
 
 def check_resume(settings: TaskSettings, model_class: str | None = None) -> None:
@@ -160,10 +165,27 @@ def run(
     examples = None
     if settings.kind == "math":
         examples = data.load_examples(f"{settings.task}:{settings.limit}", settings.data_dir)
+    if settings.engine == "vllm":
+        vllm_answers.require_vllm()
     check_resume(settings)
     if model is None:
         check_length(settings, max_positions(settings.model))
     _note_grading(settings)
+    answerer = _answerer(settings, model, tokenizer, before_load)
+    check_resume(settings, answerer.model_class)
+    if examples is None:
+        return passkey.run(settings, answerer, echo=echo)
+    return run_math(settings, answerer, examples, echo=echo)
+
+
+def _answerer(settings: TaskSettings, model, tokenizer, before_load: Callable[[], object] | None):
+    """Who answers: the vLLM engine (`settings.engine`), or the transformers `model` (loaded here when None)."""
+    if settings.engine == "vllm":
+        if model is not None:
+            raise ValueError("engine='vllm' loads the model itself: pass no model")
+        if before_load is not None:
+            before_load()
+        return vllm_answers.VLLMAnswers(settings)
     if model is None:
         from vasepatch import models
 
@@ -171,10 +193,7 @@ def run(
             before_load()
         model, tokenizer = models.load(settings.model)
     check_length(settings, max_positions(model))
-    check_resume(settings, type(model).__name__)
-    if examples is None:
-        return passkey.run(settings, model, tokenizer, echo=echo)
-    return run_math(settings, model, tokenizer, examples, echo=echo)
+    return answers.TransformersAnswers(model, tokenizer)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -227,6 +246,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", type=output_dir, default=d.out, help="folder for the answers (jsonl, resumable) and the results"
     )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=d.engine,
+        help="who answers: transformers, one run after another in batches; or vLLM (its own venv, docs/vllm.md), "
+        "every run's requests in one engine, each with its own cache settings",
+    )
+    p.add_argument("--dtype", choices=VLLM_DTYPES, default=d.dtype, help="vllm: weights and KV cache")
+    p.add_argument("--max-num-seqs", type=int_in(1), default=d.max_num_seqs, help="vllm: requests in flight at once")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -245,5 +273,8 @@ def main(args: argparse.Namespace) -> None:
         depths=args.depths,
         data_dir=args.data_dir,
         out=args.out,
+        engine=args.engine,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
     )
     run(settings, echo=True, before_load=lambda: threads.warn_if_busy(args))  # a busy machine: one line

@@ -18,6 +18,8 @@ TASK_DEFAULTS = {
     "math": {"samples": 1, "sample_temperature": 0.6, "max_new_tokens": 1024},
     PASSKEY: {"samples": 10, "sample_temperature": 0.0, "max_new_tokens": 12},
 }
+ENGINES = ("transformers", "vllm")  # who generates the answers: `vasepatch.eval.answers`, `vasepatch.eval.vllm_answers`
+VLLM_DTYPES = ("float32", "bfloat16")
 
 
 def check_passkey(context_lengths: list[int], depths: list[float]) -> None:
@@ -49,6 +51,9 @@ class TaskSettings:
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     data_dir: str | None = None
     out: str = "task-results"
+    engine: str = "transformers"
+    dtype: str = "float32"  # the weights' and KV cache's dtype under vLLM (the transformers path: float32)
+    max_num_seqs: int = 64  # vLLM: requests in flight at once
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -66,6 +71,24 @@ class TaskSettings:
             )
         if self.kind == PASSKEY:
             check_passkey(self.context_lengths, self.depths)
+        self._check_engine()
+
+    def _check_engine(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "transformers":
+            if self.dtype != "float32":
+                raise ValueError(f"dtype {self.dtype!r} needs engine='vllm' (the transformers path runs float32)")
+            return
+        if self.dtype not in VLLM_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(VLLM_DTYPES)}, got {self.dtype!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.config.prefill not in ("compress", "pin"):
+            raise ValueError(
+                f"prefill {self.config.prefill!r} is not available with engine='vllm': choose compress or pin "
+                "(a paged pool has no buffer sized by the prompt)"
+            )
 
     @property
     def kind(self) -> str:
@@ -86,6 +109,8 @@ class TaskSettings:
             seed=self.config.seed,
             batch_size=self.batch_size,
         )
+        if self.engine == "vllm":  # vLLM batches the requests itself; its answers depend on the dtype
+            own.update(batch_size=None, engine="vllm", dtype=self.dtype)
         return own
 
     def run_key(self, name: str, model_class: str) -> dict[str, Any]:
@@ -93,9 +118,13 @@ class TaskSettings:
         (`full` never evicts, so the cache settings do not matter to it)."""
         key = {"policy": name, "model_class": model_class, **self._own()}
         if name != FULL:
-            cache = cli_options.cache_header(self.config)
+            cache = cli_options.cache_header(self.run_config(name))
             key.update({k: v for k, v in cache.items() if k != "seed"})
         return key
+
+    def run_config(self, name: str) -> VaSEConfig:
+        """The cache config of run `name` (`vase`, `vase@64`: see `cli_options.run_config`)."""
+        return cli_options.run_config(self.config, name)
 
     def header(self, model) -> dict[str, Any]:
         """The settings actually used, as written beside the results."""
@@ -107,11 +136,12 @@ class TaskSettings:
         return {**head, **cli_options.cache_header(self.config), **cli_options.environment(model)}
 
     def policy_run(self, name: str, model, make_record, ident) -> answers.PolicyRun:
-        """The answers of policy `name`: `<out>/<task>-<name>.jsonl`, resumable."""
+        """The answers of policy `name`: `<out>/<task>-<name>.jsonl`, resumable. `model`: the model, or the
+        name of its class (the vLLM path, which holds no model object)."""
         return answers.PolicyRun(
             path=Path(self.out) / f"{self.task}-{name}.jsonl",
-            key=self.run_key(name, type(model).__name__),
-            config=self.config.replace(policy=name),
+            key=self.run_key(name, model if isinstance(model, str) else type(model).__name__),
+            config=self.run_config(name),
             decoding=self.decoding(),
             ident=ident,
             make_record=make_record,
