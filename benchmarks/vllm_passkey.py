@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from vasepatch import models
 from vasepatch.config import FULL, VaSEConfig
-from vasepatch.eval import answers, data, passkey
+from vasepatch.eval import answers, data, passkey, vllm_answers
 from vasepatch.eval.task_settings import PASSKEY, TaskSettings
 from vasepatch.reporting.tables import markdown_table
 
@@ -149,10 +149,10 @@ def load_reference(folder: Path, name: str) -> dict[tuple[int, int], dict[str, A
 
 
 def bytes_per_token(path: str) -> int:
-    """K and V bytes of one token over all layers (float32), from the model's `config.json`."""
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2 * 4
+    """K and V bytes of one token over all layers (float32), from the model's config (`vllm_answers`' count)."""
+    from transformers import AutoConfig
+
+    return vllm_answers.bytes_per_token(AutoConfig.from_pretrained(path), "float32")
 
 
 def records_of(name, settings, tokenizer, done, reference, sizes) -> list[dict[str, Any]]:

@@ -117,8 +117,7 @@ def run(settings: TaskSettings, answerer, echo: bool = False) -> list[Path]:
     tables = {"by_depth": (by_depth, DEPTH_COLUMNS)}
     header = {**settings.header(answerer.model_class), **answerer.environment()}
     header["grading"] = grading.method(PASSKEY)
-    header["batch_size"] = min(settings.batch_size, settings.samples)  # a batch never mixes context lengths
-    if settings.engine == "vllm":
-        header["batch_size"] = None
+    # a batch never mixes context lengths; vLLM batches the requests itself
+    header["batch_size"] = min(settings.batch_size, settings.samples) if settings.engine == "transformers" else None
     plot = plots.passkey_plot(results, by_depth, header)
     return report.write(Path(settings.out), PASSKEY, header, results, COLUMNS, title, plot, tables=tables, echo=echo)
