@@ -8,7 +8,7 @@ choice and the compaction into each layer's buffer):
 
 - `per-layer`: `VaSELayer._compact`, what the cache runs, one layer after the other;
 - `stacked-K`: groups of K layers, their candidates concatenated along the batch axis, one
-  `eviction.kept_slots` call with one keyed hash for the group (`keyed.StackedKeyedGenerator`), then each
+  `kept_slots` call with one keyed hash for the group (`keyed.StackedKeyedGenerator`), then each
   layer's kept slots moved into its buffer. Before timing, its buffers are checked to equal
   the per-layer ones bit for bit.
 
@@ -28,9 +28,11 @@ import time
 import torch
 
 from vasepatch import VaSEConfig, policies
-from vasepatch.cache import VaSELayer, eviction
+from vasepatch.cache import VaSELayer
 from vasepatch.cache.plan import LayerPlan
+from vasepatch.cache.slots import gather_slots
 from vasepatch.policies import keyed
+from vasepatch.policies.base import kept_slots
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM = 30, 3, 3, 64  # SmolLM2-135M
 
@@ -43,8 +45,9 @@ def filled_layers(batch: int, policy: str, seed: int = 0) -> list[VaSELayer]:
     for i in range(LAYERS):
         layer = VaSELayer(config, policies.for_config(config), plan=LayerPlan(i))
         k, v = (torch.randn(batch, KV_HEADS, n, HEAD_DIM, generator=g) for _ in range(2))
-        step = layer.append(k, v, None)
-        layer.record_queries(torch.randn(batch, KV_HEADS * GROUP, n, HEAD_DIM, generator=g), step)
+        layer.lazy_initialization(k, v)  # filled, not stepped: a step this long would evict at once
+        step = layer.slots.append_real(k, v, 0, 0, first=True, sliding_window=None)
+        layer.ring.write(torch.randn(batch, KV_HEADS * GROUP, n, HEAD_DIM, generator=g), step.new_valid)
         layers.append(layer)
     return layers
 
@@ -61,7 +64,7 @@ def stacked(layers: list[VaSELayer], group: int) -> None:
         keys, values, positions, valid = (torch.cat([getattr(x, a) for x in part]) for a in _BUFFERS)
         queries = torch.cat([x.ring.read() for x in part])
         gens = [x.rng.for_eviction(x.plan, x.counters.evictions, x.device) for x in part]
-        kept = eviction.kept_slots(
+        kept = kept_slots(
             first.policy, keys, values, positions, valid, queries, n, first.budget, first.config.window,
             keyed.StackedKeyedGenerator([(g.seed, g.layer, g.eviction) for g in gens], first.plan.head_offset, rows=b),
         )  # fmt: skip
@@ -76,13 +79,13 @@ _BUFFERS = ("keys", "values", "positions", "valid")
 def _write(layer, keys, values, positions, valid, kept, n) -> None:
     """What `VaSELayer._compact` writes once it has the kept slots."""
     b = layer.budget
-    layer.keys[:, :, :b] = eviction.gather_slots(keys, kept)
-    layer.values[:, :, :b] = eviction.gather_slots(values, kept)
+    layer.keys[:, :, :b] = gather_slots(keys, kept)
+    layer.values[:, :, :b] = gather_slots(values, kept)
     layer.valid[:, :, :b] = valid.gather(2, kept)
     layer.positions[:, :, :b] = positions.gather(2, kept).masked_fill_(~layer.valid[:, :, :b], -1)
     layer.valid[:, :, b:n] = False
     layer.positions[:, :, b:n] = -1
-    layer.fill.fill_(b)
+    layer.slots.fill.fill_(b)
     c = layer.counters
     c.occupancy, c.evictions, c.evicted = b, c.evictions + 1, c.evicted + n - b
 

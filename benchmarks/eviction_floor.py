@@ -15,7 +15,7 @@ repeats (ms for all 30 layers, median [min-max]):
   exact (float32) window attention must do;
 - `products bf16`: the same products in bfloat16, the casts included (the lower-precision option,
   which would change the picks);
-- `gathers`: moving the kept keys and values (`eviction.gather_slots`), which every policy needs.
+- `gathers`: moving the kept keys and values (`slots.gather_slots`), which every policy needs.
 
     python benchmarks/eviction_floor.py --batch 8,1 --threads 2
 """
@@ -39,7 +39,7 @@ from eviction_chunks import eviction_cycle
 import vasepatch
 from vasepatch import models
 from vasepatch.bench.methods import cache_keyword
-from vasepatch.cache import eviction
+from vasepatch.cache.slots import gather_slots
 from vasepatch.policies import scoring
 
 SHARE = 0.02  # the issue's target
@@ -84,8 +84,8 @@ def _products(layers, kept, dtype: torch.dtype) -> None:
 
 def _gathers(layers, kept) -> None:
     for layer, slots in zip(layers, kept, strict=True):
-        eviction.gather_slots(layer.keys, slots)
-        eviction.gather_slots(layer.values, slots)
+        gather_slots(layer.keys, slots)
+        gather_slots(layer.values, slots)
 
 
 PARTS = {

@@ -1,6 +1,6 @@
 """Cost of checking a policy's picks at each eviction (`VaSEConfig.check_policy_output`).
 
-Times one eviction of every layer (`eviction.kept_slots`: the policy's pick, the check, the
+Times one eviction of every layer (`kept_slots`: the policy's pick, the check, the
 ordering; then the gathers `VaSELayer._compact` does) with the check on and off, interleaved,
 in SmolLM2-135M's shapes (30 layers, 9 query / 3 KV heads, head_dim 64, fp32) at budget 512 +
 window 64, and prints the medians, the difference and its share of decode time.
@@ -17,7 +17,7 @@ import time
 import torch
 
 from vasepatch import policies
-from vasepatch.cache import eviction
+from vasepatch.policies.base import kept_slots
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 30, 3, 9, 64
 
@@ -38,7 +38,7 @@ def _evict_all_layers(policy, inputs, budget: int, window: int, generator: torch
     keys, values, positions, valid, queries, n = inputs
     start = time.perf_counter()
     for _ in range(LAYERS):
-        kept = eviction.kept_slots(policy, keys, values, positions, valid, queries, n, budget, window, generator)
+        kept = kept_slots(policy, keys, values, positions, valid, queries, n, budget, window, generator)
         keys.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, HEAD_DIM))
         values.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, HEAD_DIM))
         positions.gather(2, kept)

@@ -107,8 +107,7 @@ def vasepatch_layer(shape: Shape, world: int, batch: int) -> list[tuple[str, tor
     kv_heads, q_heads = shape.heads_per_rank(world)
     kv = torch.empty((batch, kv_heads, 1, shape.head_dim), dtype=shape.dtype, device=META)
     query = torch.empty((batch, q_heads, 1, shape.head_dim), dtype=shape.dtype, device=META)
-    step = layer.append(kv, kv.clone(), None)
-    layer.record_queries(query, step)
+    layer.step(query, kv, kv.clone(), None, lambda step: None)
     slots = schedule.capacity(BUDGET, WINDOW, 1, config.prefill)
     if layer.keys.shape[2] != slots or layer.counters.kv_bytes != layer.keys.nbytes + layer.values.nbytes:
         raise AssertionError(f"the layer allocated {layer.keys.shape[2]} slots, schedule.capacity says {slots}")

@@ -237,7 +237,7 @@ def test_attendable_slots_are_one_contiguous_range_ending_at_the_fill_pointer(ca
 
     def check(layer, shadow):
         occ = layer.counters.occupancy
-        assert int(layer.fill) == occ
+        assert int(layer.slots.fill) == occ
         valid = layer.valid[:, :, :occ]
         assert not (valid[..., :-1] & ~valid[..., 1:]).any()  # no real token ahead of padding
 

@@ -251,7 +251,7 @@ class CacheMachine(RuleBasedStateMachine):
         if not layer.is_initialized:
             return
         occ, cfg = layer.counters.occupancy, self.cfg
-        assert int(layer.fill) == occ <= layer.capacity
+        assert int(layer.slots.fill) == occ <= layer.capacity
         c = layer.counters
         assert (c.tokens_seen, c.evictions, c.evicted) == (self.tokens, self.rounds, self.dropped)
         if cfg.prefill == "compress" and cfg.policy != FULL:
@@ -259,7 +259,7 @@ class CacheMachine(RuleBasedStateMachine):
         if cfg.prefill == "pin" and cfg.policy != FULL:  # the prompt, then at most budget + window generated
             assert layer.counters.pinned == self.pinned and occ <= self.pinned + cfg.budget + cfg.window
         assert not layer.valid[:, :, occ:].any()
-        assert layer.next_position.tolist() == [row.next_pos for row in self.rows]
+        assert layer.slots.next_position.tolist() == [row.next_pos for row in self.rows]
         for r, shadow in enumerate(self.rows):
             tail = shadow.tail
             if not self.evicted_since_reset:

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from property_tests.strategies import PolicyCase, policy_cases
 from vasepatch import policies
-from vasepatch.cache import eviction
+from vasepatch.cache import EvictionRandomness
 from vasepatch.cache.plan import LayerPlan
-from vasepatch.cache.randomness import EvictionRandomness
+from vasepatch.policies.base import kept_slots
 
 
 def _build(name: str, case: PolicyCase, **extra):
@@ -35,7 +35,7 @@ def _keep(policy, case: PolicyCase, heads: slice, rows: slice, window: int, laye
     plan = LayerPlan(layer, head_offset=heads.start)
     generator = EvictionRandomness(case.seed).for_eviction(plan, round_, case.keys.device)
     n = case.keys.shape[2]
-    return eviction.kept_slots(
+    return kept_slots(
         policy,
         case.keys[rows, heads],
         case.values[rows, heads],

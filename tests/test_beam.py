@@ -82,7 +82,7 @@ def _per_row(layer: VaSELayer) -> dict[str, torch.Tensor]:
         "values": layer.values,
         "positions": layer.positions,
         "valid": layer.valid,
-        "next_position": layer.next_position,
+        "next_position": layer.slots.next_position,
         "ring.queries": layer.ring.queries,
         "ring.valid": layer.ring.valid,
     }
@@ -93,14 +93,14 @@ def test_reorder_cache_permutes_every_per_row_buffer_in_place():
     _drive(layer, _inputs(0, prompt=5, decode=2))  # occupancy 7 of 18: the ring holds real and padding queries
     before = {name: t.clone() for name, t in _per_row(layer).items()}
     ptrs = {name: t.data_ptr() for name, t in _per_row(layer).items()}
-    shared = (int(layer.fill), int(layer.seen), int(layer.ring.pointer), dict(vars(layer.counters)))
+    shared = (int(layer.slots.fill), int(layer.slots.seen), int(layer.ring.pointer), dict(vars(layer.counters)))
     for name, t in before.items():  # the test can fail: every buffer differs between the rows it mixes
         assert not torch.equal(t, t[PERM]), name
     layer.reorder_cache(PERM)
     for name, t in _per_row(layer).items():
         assert torch.equal(t, before[name][PERM]), f"{name} not reordered"
         assert t.data_ptr() == ptrs[name], f"{name} moved"
-    assert (int(layer.fill), int(layer.seen), int(layer.ring.pointer), dict(vars(layer.counters))) == shared
+    assert (int(layer.slots.fill), int(layer.slots.seen), int(layer.ring.pointer), dict(vars(layer.counters))) == shared
 
 
 @pytest.mark.parametrize("policy", ["vase-topk", "snapkv", "rkv"])

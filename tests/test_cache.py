@@ -85,7 +85,7 @@ def test_padding_is_never_attended_by_real_queries():
     layer = _layer(budget=32, window=4)
     _, mask = ragged_batch(VOCAB, lengths=(5, 2))
     k = torch.randn(2, 1, 5, 8)
-    m = layer.append(k, k, mask).mask()[1, 0]  # row with 3 padding slots
+    m = layer.step(k, k, k, mask, lambda st: st)[0].mask()[1, 0]  # row with 3 padding slots
     assert not m[3:, :3].any()  # real queries never see padding
     assert m[3:, 3:5].tolist() == [[True, False], [True, True]]  # causal among real tokens
     assert m[:3, :3].equal(torch.eye(3, dtype=torch.bool))  # padding queries see only themselves
@@ -132,7 +132,7 @@ def test_decode_and_eviction_do_not_sync_with_the_device(masked):
             padding = torch.ones(2, 10 + i) if masked else None
             _, evicted = step(layer, _rand(2, 2, 1, 8, g), _rand(2, 2, 1, 8, g), _rand(2, 4, 1, 8, g), padding)
             evictions += evicted
-    assert evictions >= 5 and layer.padded == masked
+    assert evictions >= 5 and layer.slots.padded == masked
 
 
 def test_memory_does_not_grow_with_generated_length(make_model):
@@ -212,7 +212,7 @@ def test_cache_stats_and_reset():
     assert cache.stats()["occupancy"] == 5 and cache.stats()["layers"] == 2
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.stats()["occupancy"] == 0
-    assert not cache.layers[0].valid.any() and int(cache.layers[0].next_position[0]) == 0
+    assert not cache.layers[0].valid.any() and int(cache.layers[0].slots.next_position[0]) == 0
     with pytest.raises(NotImplementedError):
         cache.crop(1)
 
@@ -250,9 +250,9 @@ def _state(layer: VaSELayer) -> dict:
         "values": layer.values[:, :, :occ],
         "positions": layer.positions,
         "valid": layer.valid,
-        "next_position": layer.next_position,
-        "fill": layer.fill,
-        "seen": layer.seen,
+        "next_position": layer.slots.next_position,
+        "fill": layer.slots.fill,
+        "seen": layer.slots.seen,
         "ring.queries": layer.ring.read(),
         "ring.pointer": layer.ring.pointer,
         "counters": vars(layer.counters),
@@ -267,7 +267,7 @@ def test_reset_starts_over_exactly_like_a_fresh_layer(sample):
     used, fresh = _layer(seed=3, policy_options={"sample": sample}), _layer(seed=3, policy_options={"sample": sample})
     _drive_ragged(used, seed=0)
     used.reset()
-    assert int(used.next_position.abs().sum()) == 0 and used.counters.tokens_seen == 0
+    assert int(used.slots.next_position.abs().sum()) == 0 and used.counters.tokens_seen == 0
     assert _drive_ragged(used, seed=1) == _drive_ragged(fresh, seed=1)
     want = _state(fresh)
     for name, value in _state(used).items():
@@ -332,7 +332,7 @@ def test_real_token_fast_path_equals_the_fill_pointer_path(backend, prompt):
         for layer in (fast, masked):  # a compiled step would go on from the device pointer
             assert int(layer.ring.pointer) == layer.ring.host_pointer
         evictions += ev_fast
-    assert evictions >= 3 and not fast.padded and masked.padded
+    assert evictions >= 3 and not fast.slots.padded and masked.slots.padded
     for name, value in _state(fast).items():
         other = _state(masked)[name]
         assert value == other if isinstance(value, dict) else torch.equal(value, other), name

@@ -34,7 +34,7 @@ def _feed(layer: VaSELayer, n: int, q_len: int = 1, seed: int = 0) -> None:
 
 
 def test_reset_leaves_no_pending_step_to_settle():
-    """`VaSELayer.reset` mutant `_pending = 1`: the first `complete_step` after a reset
+    """`VaSELayer.reset` mutant `pending = 1`: the first `complete_step` after a reset
     counted a phantom token (tokens_seen and occupancy off by one)."""
     layer = _layer()
     _feed(layer, 1, q_len=10)
@@ -110,7 +110,7 @@ def test_step_start_is_the_first_attendable_slot_of_each_row_and_head():
     padding = torch.tensor([[1] * 7, [0, 0, 0, 1, 1, 1, 1]])
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(B, HKV, 7, D, generator=g), torch.randn(B, HKV, 7, D, generator=g)
-    st = layer.append(k, v, padding)
+    st, _ = layer.step(torch.randn(B, HQ, 7, D, generator=g), k, v, padding, lambda s: s)
     assert st.start().shape == (B, HKV)
     assert st.start().tolist() == [[0, 0], [3, 3]] and int(st.end) == 7
 

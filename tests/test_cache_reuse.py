@@ -302,8 +302,8 @@ def test_a_policy_error_during_prefill_leaves_the_cache_untouched(make_model):
         stats = cache.stats()
         assert (stats["tokens_seen"], stats["occupancy"], stats["evictions"]) == (0, 0, 0)
         used = [layer for layer in cache.layers if layer.is_initialized]
-        assert used and all(int(layer.seen) == 0 and int(layer.fill) == 0 for layer in used)
-        assert all(layer.next_position.eq(0).all() and layer.ring.queries is None for layer in used)
+        assert used and all(int(layer.slots.seen) == 0 and int(layer.slots.fill) == 0 for layer in used)
+        assert all(layer.slots.next_position.eq(0).all() and layer.ring.queries is None for layer in used)
         short, short_mask = ragged_batch(VOCAB, lengths=(10, 7, 3))  # evicts nothing: the policy is not asked
         again = _continue(model, cache, short, short_mask, max_new_tokens=5)
         assert torch.equal(again, _continue(model, handle.new_cache(), short, short_mask, max_new_tokens=5))

@@ -148,3 +148,50 @@ def test_the_tool_rules_catch_a_crossing_and_a_cycle():
     assert _crossing("vasepatch.evaluation", {"vasepatch.bench"}) == []  # a prefix is not the package
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
     assert _cycle_through(graph, "a") == ["a", "b", "c", "a"] and _cycle_through(graph, "d") is None
+
+
+def _private_writes(tree: ast.Module) -> list[str]:
+    """`obj._name = ...` (or `+=`, or `del`) where `obj` is not `self` or `cls`: one object writing
+    another's private attribute."""
+    found = []
+    for node in ast.walk(tree):
+        targets = {
+            ast.Assign: lambda n: n.targets,
+            ast.AugAssign: lambda n: [n.target],
+            ast.Delete: lambda n: n.targets,
+        }
+        for kind, get in targets.items():
+            if not isinstance(node, kind):
+                continue
+            for target in get(node):
+                for t in ast.walk(target):
+                    if (
+                        isinstance(t, ast.Attribute)
+                        and t.attr.startswith("_")
+                        and not t.attr.startswith("__")
+                        and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))
+                    ):
+                        found.append(f"line {t.lineno}: {ast.unparse(t)}")
+    return found
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_writes_another_objects_private_attributes(path):
+    assert _private_writes(_tree(path)) == []
+
+
+def test_the_private_write_rule_catches_one():
+    tree = ast.parse("def f(layer, x):\n    layer._pending = x\n    self._ok = 1\n    layer.ring._p += 1\n")
+    assert _private_writes(tree) == ["line 2: layer._pending", "line 4: layer.ring._p"]
+
+
+# the modules that tell a compiled step from an eager one: the cache layer (step now, settle later),
+# the attention adapter and the patch's wrappers (transformers' call context, which dynamo cannot trace),
+# and the keyed noise (policies trace on their own)
+COMPILE_AWARE = {"vasepatch.cache.layer", "vasepatch.integration.attention", "vasepatch.integration.wrappers"}
+COMPILE_AWARE |= {"vasepatch.policies.keyed"}
+
+
+def test_is_compiling_is_read_in_few_modules():
+    readers = {_module_name(p) for p in FILES if "is_compiling()" in p.read_text()}
+    assert readers == COMPILE_AWARE

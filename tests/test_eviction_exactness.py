@@ -2,7 +2,7 @@
 
 The eviction now (1) hashes the keyed noise with the key-free halves of the hash cached
 (`keyed.mixed_indices`), (2) moves the kept slots with one `index_select` of whole rows
-(`eviction.gather_slots`) instead of a `gather` with the slot index expanded over the head
+(`slots.gather_slots`) instead of a `gather` with the slot index expanded over the head
 dimension, and (3) computes the window attention a few (row, KV head) pairs at a time, masking
 the invalid candidates by adding a 0 / -inf bias in the pass that scales the logits
 (`scoring.window_attention`, `scoring.attention_chunks`) instead of one batched product and a
@@ -31,9 +31,11 @@ import torch.nn.functional as F
 
 from tests.drive import step
 from vasepatch import VaSEConfig, policies
-from vasepatch.cache import VaSELayer, eviction
+from vasepatch.cache import VaSELayer, slots
 from vasepatch.cache.plan import LayerPlan
+from vasepatch.cache.slots import gather_slots
 from vasepatch.policies import keyed, scoring
+from vasepatch.policies.base import kept_slots
 from vasepatch.policies.keyed import (
     MASK32,
     SHARED_HEAD,
@@ -176,9 +178,9 @@ def test_gather_slots_is_the_expanded_gather(shape):
     src = torch.randn(shape, generator=g)
     b, h, s, _ = shape
     kept = torch.stack([torch.randperm(s, generator=g)[: max(1, s - 3)] for _ in range(b * h)]).view(b, h, -1)
-    assert torch.equal(eviction.gather_slots(src, kept), reference_gather(src, kept))
+    assert torch.equal(gather_slots(src, kept), reference_gather(src, kept))
     assert torch.equal(
-        eviction.gather_slots(src.transpose(0, 1).contiguous().transpose(0, 1), kept),
+        gather_slots(src.transpose(0, 1).contiguous().transpose(0, 1), kept),
         src.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, shape[-1])),
     )  # a non-contiguous source is copied, not misread
 
@@ -193,10 +195,10 @@ class _Reference:
         def for_eviction(rng, plan, round_, device):
             return ReferenceGenerator(rng.generation_seed(), plan.index, round_, plan.head_offset, device)
 
-        from vasepatch.cache.randomness import EvictionRandomness
+        from vasepatch.cache import EvictionRandomness
 
         self.monkeypatch.setattr(EvictionRandomness, "for_eviction", for_eviction)
-        self.monkeypatch.setattr(eviction, "gather_slots", reference_gather)
+        self.monkeypatch.setattr(slots, "gather_slots", reference_gather)
         self.monkeypatch.setattr(scoring, "window_attention", reference_window_attention)
 
     def __exit__(self, *exc):
@@ -271,8 +273,8 @@ def test_stacking_the_layers_keeps_the_same_slots(name):
         valid[1, :, :5], pos[1, :, :5] = False, -1
         inputs.append((k, v, pos, valid, torch.randn(b, 2 * h, window, d, generator=g)))
     gens = [KeyedGenerator(5, i, 2, 3) for i in range(layers)]
-    one = [eviction.kept_slots(policy, *x, n, budget, window, gen) for x, gen in zip(inputs, gens, strict=True)]
+    one = [kept_slots(policy, *x, n, budget, window, gen) for x, gen in zip(inputs, gens, strict=True)]
     stacked = [torch.cat([x[i] for x in inputs]) for i in range(5)]
     keys = [(5, i, 2) for i in range(layers)]
-    together = eviction.kept_slots(policy, *stacked, n, budget, window, StackedKeyedGenerator(keys, 3, rows=b))
+    together = kept_slots(policy, *stacked, n, budget, window, StackedKeyedGenerator(keys, 3, rows=b))
     assert torch.equal(together, torch.cat(one))

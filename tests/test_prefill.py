@@ -98,13 +98,18 @@ def test_prefill_keep_keeps_the_prompt_and_refuses_a_later_step_that_does_not_fi
 def test_prefill_keep_refusal_moves_nothing_and_reset_sizes_the_buffer_for_a_longer_prompt():
     layer = _layer(budget=8, window=2, sinks=2, prefill="keep")
     step(layer, torch.randn(1, 1, 12, 8), torch.randn(1, 1, 12, 8), torch.randn(1, 1, 12, 8))
-    before = (layer.next_position.clone(), int(layer.seen), int(layer.fill), layer.counters.tokens_seen)
+    before = (
+        layer.slots.next_position.clone(),
+        int(layer.slots.seen),
+        int(layer.slots.fill),
+        layer.counters.tokens_seen,
+    )
     with pytest.raises(RuntimeError, match="prefill='compress'"):
         step(layer, torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8))
-    after = (layer.next_position, int(layer.seen), int(layer.fill), layer.counters.tokens_seen)
+    after = (layer.slots.next_position, int(layer.slots.seen), int(layer.slots.fill), layer.counters.tokens_seen)
     assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
     step(layer, torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8))  # a fitting step works
-    assert layer.counters.tokens_seen == 14 == int(layer.seen) == int(layer.next_position[0])
+    assert layer.counters.tokens_seen == 14 == int(layer.slots.seen) == int(layer.slots.next_position[0])
     assert layer.counters.evictions > 0
     layer.reset()  # a fresh start: counters restart, the next prompt sizes the buffer again
     step(layer, torch.randn(1, 1, 30, 8), torch.randn(1, 1, 30, 8), torch.randn(1, 1, 30, 8))

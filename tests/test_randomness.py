@@ -10,11 +10,11 @@ import torch
 
 from tests import drive
 from vasepatch import policies
-from vasepatch.cache import VaSECache, eviction
+from vasepatch.cache import EvictionRandomness, VaSECache
 from vasepatch.cache.plan import LayerPlan
-from vasepatch.cache.randomness import EvictionRandomness
 from vasepatch.config import VaSEConfig
 from vasepatch.policies import keyed, scoring
+from vasepatch.policies.base import kept_slots
 from vasepatch.policies.keyed import KeyedGenerator, StackedKeyedGenerator
 
 EDGES = [0, 1, 2, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFE, 0xFFFFFFFF]
@@ -225,7 +225,7 @@ def test_the_layers_of_one_cache_draw_from_one_seeded_stream():
 
 
 def test_kept_slots_with_a_keyed_generator_on_a_rank():
-    """`eviction.kept_slots`, the function the layer calls, with the generator of each rank."""
+    """`kept_slots`, the function the layer calls, with the generator of each rank."""
     g = torch.Generator().manual_seed(1)
     b, h, n, d = 2, 4, 30, 8
     keys, values = torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g)
@@ -238,7 +238,7 @@ def test_kept_slots_with_a_keyed_generator_on_a_rank():
     def keep(lo, hi):
         gen = rnd.for_eviction(LayerPlan(5, head_offset=lo), 2, torch.device("cpu"))
         args = (keys[:, lo:hi], values[:, lo:hi], positions[:, lo:hi], valid[:, lo:hi], queries[:, lo:hi])
-        return eviction.kept_slots(policy, *args, n, 16, 4, gen)
+        return kept_slots(policy, *args, n, 16, 4, gen)
 
     assert torch.equal(torch.cat([keep(0, 1), keep(1, 4)], 1), keep(0, 4))
 

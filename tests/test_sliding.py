@@ -137,7 +137,7 @@ def test_eviction_run_bounded_no_nan(family, window):
         assert c.evictions > 0 and c.occupancy <= c.capacity
         assert c.capacity == (w + WINDOW if w is not None and w <= 16 else 16 + WINDOW)
         if w is not None:
-            newest = layer.next_position[:, None, None]
+            newest = layer.slots.next_position[:, None, None]
             held = layer.positions[:, :, : c.occupancy]
             kept = layer.valid[:, :, : c.occupancy]
             assert bool((held[kept] > (newest - w - WINDOW).expand_as(held)[kept]).all())
@@ -258,7 +258,8 @@ def test_decode_range_hand_case():
     g = torch.Generator().manual_seed(3)
     step(layer, torch.randn(1, 1, 5, 4, generator=g), torch.randn(1, 1, 5, 4, generator=g), torch.randn(1, 1, 5, 4))
     assert layer.positions[0, 0, :3].tolist() == [2, 3, 4]  # the prompt was cut to its last 3 tokens
-    st = layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4), None)  # position 5: sees 3, 4, 5
+    new = torch.randn(1, 1, 1, 4)
+    st, _ = layer.step(new, new, torch.randn(1, 1, 1, 4), None, lambda s: s)  # position 5: sees 3, 4, 5
     assert st.start().tolist() == [[1]] and int(st.end) == 4
     assert st.mask()[0, 0, 0, :4].tolist() == [False, True, True, True]
     q = torch.randn(1, 1, 1, 4, generator=g)

@@ -16,8 +16,9 @@ from tests.conftest import ragged_batch
 from tests.test_patching import fingerprint, logits
 from tests.tiny_models import VOCAB, tiny_model
 from vasepatch import VaSEConfig, policies
-from vasepatch.cache import VaSECache, eviction
+from vasepatch.cache import VaSECache
 from vasepatch.policies import PolicyOutputError, scoring
+from vasepatch.policies.base import kept_slots
 from vasepatch.policies.options import Between
 
 # --- defect 3: a policy's output is checked -----------------------------------------------------
@@ -94,7 +95,7 @@ BAD_OUTPUTS = [
 
 def _kept(policy):
     keys, values, positions, valid, queries, n = _eviction_case()
-    return eviction.kept_slots(policy, keys, values, positions, valid, queries, n, BUDGET, WINDOW)
+    return kept_slots(policy, keys, values, positions, valid, queries, n, BUDGET, WINDOW)
 
 
 def test_a_correct_policy_passes_the_checks():
@@ -157,7 +158,7 @@ def _registered(name, fn):
 def test_bad_priorities_are_named(fn, message):
     keys, values, positions, valid, queries, n = _eviction_case()
     with _registered("test-bad", fn), pytest.raises(PolicyOutputError, match=message):
-        eviction.kept_slots(policies.get("test-bad"), keys, values, positions, valid, queries, n, BUDGET, WINDOW)
+        kept_slots(policies.get("test-bad"), keys, values, positions, valid, queries, n, BUDGET, WINDOW)
 
 
 def test_minus_inf_priorities_of_real_tokens_still_beat_padding():

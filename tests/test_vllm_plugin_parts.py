@@ -11,13 +11,12 @@ import torch
 from hypothesis import strategies as st
 
 from vasepatch import policies
-from vasepatch.cache.eviction import kept_slots
 from vasepatch.config import VaSEConfig
 from vasepatch.integration.vllm import compaction, engine_access, paged_layout, scheduler_side, settings
 from vasepatch.integration.vllm.query_rings import QueryRings
 from vasepatch.integration.vllm.worker_side import WorkerEviction
 from vasepatch.policies import scoring
-from vasepatch.policies.base import Policy
+from vasepatch.policies.base import Policy, kept_slots
 from vasepatch.policies.keyed import KeyedGenerator, draws_keyed_noise
 
 # --- settings -------------------------------------------------------------------------------------------

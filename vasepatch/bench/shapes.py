@@ -66,9 +66,9 @@ def shape_config(name: str) -> Any:
 
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    config = Qwen3Config(**SHAPES[name], bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    config._attn_implementation = "sdpa"
-    return config
+    return Qwen3Config(
+        **SHAPES[name], bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="sdpa"
+    )
 
 
 def load_model(spec: str, dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Module:

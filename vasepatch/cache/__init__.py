@@ -2,9 +2,10 @@
 
 - `schedule`: when to evict (pure functions of host ints);
 - `query_ring.QueryRing`: the last `window` queries, which score the candidates;
-- `step.Step`: what one attention step reads;
-- `layer.VaSELayer`: one layer's buffers and its step API (`append`,
-  `record_queries`, `evict_if_due`);
+- `slots.SlotBuffer`: one layer's slots and their writes; `slots.Step`: what one
+  attention step reads;
+- `layer.VaSELayer`: one layer's cache and its `step` (append, attend, record the
+  queries, evict);
 - `cache.VaSECache`: the transformers `Cache` of those layers.
 
 Which slots survive an eviction is decided by a `Policy`; the cache only moves data.
@@ -13,7 +14,7 @@ Which slots survive an eviction is decided by a `Policy`; the cache only moves d
 from vasepatch.cache.cache import VaSECache
 from vasepatch.cache.counters import CacheMonitor, LayerCounters
 from vasepatch.cache.layer import VaSELayer
-from vasepatch.cache.randomness import EvictionRandomness
-from vasepatch.cache.step import Step
+from vasepatch.cache.slots import Step
+from vasepatch.policies.keyed import EvictionRandomness
 
 __all__ = ["CacheMonitor", "EvictionRandomness", "LayerCounters", "Step", "VaSECache", "VaSELayer"]

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-from contextvars import ContextVar
-from typing import Any
-
-import torch
 from transformers.cache_utils import Cache
 
 from vasepatch.cache.counters import CacheMonitor, LayerCounters
 from vasepatch.cache.layer import VaSELayer
 from vasepatch.cache.plan import LayerPlan, default_plans
-from vasepatch.cache.randomness import EvictionRandomness
 from vasepatch.config import VaSEConfig
 from vasepatch.policies.base import Policy
-
-OUTSIDE = object()
-"""`PATCHED_CALL` outside any patched model's forward."""
-PATCHED_CALL: ContextVar[Any] = ContextVar("vasepatch_patched_call", default=OUTSIDE)
-"""The cache given to the patched model's forward now running in this thread (a `VaSECache`,
-another `Cache`, or None), set by the patch around its decoder stack's forward; `OUTSIDE`
-elsewhere. Lets a `VaSECache` see that an unpatched model is using it, before any work."""
+from vasepatch.policies.keyed import EvictionRandomness
 
 
 class VaSECache(Cache):
@@ -75,16 +64,6 @@ class VaSECache(Cache):
     def tokens_seen(self) -> int:
         """Tokens this cache has taken since it was made or `reset` (0: unused)."""
         return max((layer.counters.tokens_seen for layer in self.layers), default=0)
-
-    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        """Transformers' mask sizes (asked for by a model before its attention runs): refuse
-        a model that is not patched, before it computes anything with this cache."""
-        if not torch.compiler.is_compiling() and PATCHED_CALL.get() is not self:
-            raise RuntimeError(
-                "a vasepatch cache was used by a model that is not patched (or that this cache was not given "
-                "to); pass VaSECache objects only to the model they came from, while it is patched"
-            )
-        return super().get_mask_sizes(*args, **kwargs)
 
     def stats(self) -> dict[str, int]:
         return CacheMonitor([layer.counters for layer in self.layers]).snapshot(self.config.budget, self.config.window)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vasepatch.cache.static import mark_static, outside_inference_mode
+from vasepatch.cache.static import allocating
 
 
 class QueryRing:
@@ -26,37 +26,44 @@ class QueryRing:
         self.slot_index: torch.Tensor | None = None
         self.host_pointer = 0  # = `pointer`, on the host
 
-    @outside_inference_mode
-    def _allocate(self, query: torch.Tensor) -> None:
+    def _allocate(self, query: torch.Tensor, compiling: bool) -> None:
         b, hq, _, d = query.shape
         dev, w = query.device, self.window
-        self.queries = torch.zeros((b, hq, w, d), dtype=query.dtype, device=dev)
-        self.valid = torch.zeros((b, w), dtype=torch.bool, device=dev)
-        self.pointer = torch.zeros((), dtype=torch.long, device=dev)
-        self.slot_index = torch.arange(w, device=dev)
-        mark_static(self.queries, self.valid, self.pointer, self.slot_index)
+        with allocating(compiling) as mark:
+            self.queries = torch.zeros((b, hq, w, d), dtype=query.dtype, device=dev)
+            self.valid = torch.zeros((b, w), dtype=torch.bool, device=dev)
+            self.pointer = torch.zeros((), dtype=torch.long, device=dev)
+            self.slot_index = torch.arange(w, device=dev)
+            mark(self.queries, self.valid, self.pointer, self.slot_index)
 
     def write(self, query: torch.Tensor, valid: torch.Tensor) -> None:
-        """Keep the last `min(Q, window)` of a step's queries `[B, Hq, Q, D]`;
-        `valid` `[B, Q]` marks the real (non-padding) ones."""
+        """Eagerly, keep the last `min(Q, window)` of a step's queries `[B, Hq, Q, D]`; `valid`
+        `[B, Q]` marks the real (non-padding) ones. Written at the host pointer."""
         if self.queries is None:
-            self._allocate(query)
+            self._allocate(query, compiling=False)
         q_len = query.shape[-2]
-        m = min(q_len, self.window)
-        compiling = torch.compiler.is_compiling()
-        if m == 1 and not compiling:  # one query: a plain copy at the host pointer
-            self.queries.narrow(2, self.host_pointer, 1).copy_(query.narrow(2, q_len - 1, 1))
-            self.valid.narrow(1, self.host_pointer, 1).copy_(valid.narrow(1, q_len - 1, 1))
+        if q_len == 1:  # one query: a plain copy at the host pointer
+            self.queries.narrow(2, self.host_pointer, 1).copy_(query)
+            self.valid.narrow(1, self.host_pointer, 1).copy_(valid)
         else:
-            start = self.pointer if compiling else self.host_pointer
-            slots = (start + self.slot_index[:m]) % self.window
-            self.queries.index_copy_(2, slots, query.narrow(2, q_len - m, m))
-            self.valid.index_copy_(1, slots, valid.narrow(1, q_len - m, m))
-        if compiling:  # the device pointer only; `advance` follows on the host, after the graph
-            self.pointer.add_(m).remainder_(self.window)
-            return
+            self._write_at(self.host_pointer, query, valid)
         self.advance(q_len)
         self.pointer.fill_(self.host_pointer)
+
+    def write_at_pointer(self, query: torch.Tensor, valid: torch.Tensor) -> None:
+        """In a compiled step, `write` at the device pointer, which it advances; the host pointer
+        follows after the graph (`advance`)."""
+        if self.queries is None:
+            self._allocate(query, compiling=True)
+        self._write_at(self.pointer, query, valid)
+        self.pointer.add_(min(query.shape[-2], self.window)).remainder_(self.window)
+
+    def _write_at(self, start: int | torch.Tensor, query: torch.Tensor, valid: torch.Tensor) -> None:
+        q_len = query.shape[-2]
+        m = min(q_len, self.window)
+        slots = (start + self.slot_index[:m]) % self.window
+        self.queries.index_copy_(2, slots, query.narrow(2, q_len - m, m))
+        self.valid.index_copy_(1, slots, valid.narrow(1, q_len - m, m))
 
     def advance(self, q_len: int) -> None:
         """Move the host pointer past a write of `q_len` queries (eagerly: after a compiled step)."""

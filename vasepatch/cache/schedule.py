@@ -67,6 +67,29 @@ def tokens_until_eviction(budget: int, window: int, capacity: int, occupancy: in
     return min(nxt, capacity) - occupancy
 
 
+def room(
+    capacity: int, occupancy: int, q_len: int, window: int, *, evicts: bool, sized_by_prompt: bool, prompt_need: int
+) -> tuple[int, bool]:
+    """Before a step moves anything: the capacity the buffer needs for it (more than `capacity` to grow)
+    and whether the step takes the overflow path (its tokens in temporaries, compacted at its end).
+
+    - A prompt into a buffer sized by the prompt (`sized_by_prompt`, first step; `prompt_need` > 0):
+      room for it plus one window (after a `reset` that may be more than the buffer holds).
+    - A step that fits: as it is.
+    - A never-evicting buffer grows `window` slots past the need: a reallocation every `window` tokens.
+    - An evicting one overflows, unless it is sized by the prompt, which refuses (`keep_overflow_error`).
+    """
+    if prompt_need:
+        return max(capacity, prompt_need), False
+    if fits(capacity, occupancy, q_len):
+        return capacity, False
+    if not evicts:
+        return occupancy + q_len + window, False
+    if not sized_by_prompt:
+        return capacity, True
+    raise keep_overflow_error(occupancy, q_len, capacity)
+
+
 def keep_overflow_error(occupancy: int, q_len: int, capacity: int) -> RuntimeError:
     """The error for a step that a `prefill="keep"` or `"pin"` buffer cannot hold."""
     return RuntimeError(

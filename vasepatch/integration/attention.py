@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from contextlib import AbstractContextManager, nullcontext
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -34,8 +34,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from vasepatch.cache import Step, VaSECache, VaSELayer, reuse
-from vasepatch.cache.cache import OUTSIDE, PATCHED_CALL
+from vasepatch.cache import Step, VaSECache, VaSELayer
 from vasepatch.integration import backends
 from vasepatch.integration.kernels import (
     causal_attention,
@@ -48,6 +47,14 @@ ATTN_IMPLEMENTATION = "vasepatch"
 LAYER_KWARG = "vasepatch_layer"
 BACKEND_ATTR = "_vasepatch_backend"  # on the private config copy: the backend chosen at patch time
 ORIGINAL_ATTR = "_vasepatch_original"  # on the private config copy: the model's own attention implementation
+
+
+OUTSIDE = object()
+"""`PATCHED_CALL` outside any patched model's forward."""
+PATCHED_CALL: ContextVar[Any] = ContextVar("vasepatch_patched_call", default=OUTSIDE)
+"""The cache given to the patched model's forward now running in this thread (a `VaSECache`,
+another `Cache`, or None), set by the patch around its decoder stack's forward
+(`wrappers.BaseForward`); `OUTSIDE` elsewhere."""
 
 
 def _transformers_path() -> bool:
@@ -180,10 +187,10 @@ def attention_step(
     sink_logits: torch.Tensor | None = None,
     weights: bool = False,
 ) -> tuple[torch.Tensor, bool] | tuple[torch.Tensor, bool, torch.Tensor]:
-    """One attention step of one layer, the whole data path: append the step's K/V,
-    attend, record the queries, evict if due. Returns the output `[B, Q, Hq, D]` and
-    whether the step ended with an eviction (always False under compilation, where the
-    eviction runs after the graph, in `VaSECache.complete_step`).
+    """One attention step of one layer: `VaSELayer.step` (append the step's K/V, attend, record the
+    queries, evict if due) with the kernel that `backend` and the step choose (`attend`). Returns
+    the output `[B, Q, Hq, D]` and whether the step ended with an eviction (always False under
+    compilation, where the eviction runs after the graph, in `VaSECache.complete_step`).
 
     `query` `[B, Hq, Q, D]`, `key`/`value` `[B, Hkv, Q, D]` (after RoPE), `padding` the
     2-D mask (`[B, >= Q]`, 1 = real token) or None; `softcap` (logit soft-capping) and
@@ -192,25 +199,25 @@ def attention_step(
     eager kernel and also returns the weights `[B, Hq, Q, S]` over the step's cache slots: before
     the first eviction slot `s` holds sequence position `s`, so they equal transformers' eager
     weights; after it, column `s` is whatever token slot `s` holds."""
-    step = layer.append(key, value, padding)
-    with _undo_on_error(layer, step):
+
+    def kernel(step: Step) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if weights:
-            n = step.length
-            keys, values = step.keys[:, :, :n], step.values[:, :, :n]
-            out, probs = eager_attention_with_weights(
-                query, keys, values, step.mask(), scaling, softcap=softcap, sink_logits=sink_logits
-            )
-        else:
-            out = attend(backend, query, key, value, step, scaling, softcap=softcap, sink_logits=sink_logits)
-        layer.record_queries(query, step)
-        evicted = layer.evict_if_due(step)
-    return (out, evicted, probs) if weights else (out, evicted)
+            return _with_weights(query, step, scaling, softcap, sink_logits)
+        return attend(backend, query, key, value, step, scaling, softcap=softcap, sink_logits=sink_logits)
+
+    out, evicted = layer.step(query, key, value, padding, kernel)
+    return (out[0], evicted, out[1]) if weights else (out, evicted)
 
 
-def _undo_on_error(layer: VaSELayer, step: Step) -> AbstractContextManager[None]:
-    """Eagerly, the rest of a step puts the layer back as it was if it fails (a `PolicyOutputError`
-    at the eviction, an error in the kernel): `vasepatch.cache.reuse`. Compiled: nothing."""
-    return nullcontext() if torch.compiler.is_compiling() else reuse.undo_on_error(layer, step)
+def _with_weights(
+    query: torch.Tensor, step: Step, scaling: float, softcap: float | None, sink_logits: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager kernel over the step's slots, with its attention weights."""
+    n = step.length
+    keys, values = step.keys[:, :, :n], step.values[:, :, :n]
+    return eager_attention_with_weights(
+        query, keys, values, step.mask(), scaling, softcap=softcap, sink_logits=sink_logits
+    )
 
 
 def attend(

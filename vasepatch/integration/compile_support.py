@@ -1,7 +1,7 @@
 """Make both of transformers' compile routes work with the vasepatch cache.
 
 1. `model.forward = torch.compile(model.forward, fullgraph=True)`: a forward hook
-   (`complete_step`) runs in `nn.Module.__call__`, outside the compiled forward, and does
+   (`wrappers.settle_compiled_steps`) runs in `nn.Module.__call__`, outside the compiled forward, and does
    the step's host-side bookkeeping.
 2. `generate()` compiling the decode step itself (the cache is compileable): it would
    compile `__call__`, hooks included; `CompiledCall` compiles `forward` and runs the hook
@@ -21,18 +21,7 @@ import torch
 
 from vasepatch.cache import VaSECache
 from vasepatch.integration.handle import MISSING, set_instance_attr
-
-
-def _vase_cache(kwargs: dict[str, Any]) -> VaSECache | None:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    return cache if isinstance(cache, VaSECache) else None
-
-
-def complete_step(module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-    """Forward hook: host-side bookkeeping of a compiled step (a no-op after an eager one)."""
-    cache = _vase_cache(kwargs)
-    if cache is not None:
-        cache.complete_step()
+from vasepatch.integration.wrappers import find_cache, settle_compiled_steps
 
 
 class RemoveHook:
@@ -85,7 +74,7 @@ class CompiledCall:
             if _multi_token(args, kwargs):  # prefill chunks may need the eager overflow path
                 return model(*args, **kwargs)
             out = forward(*args, **kwargs)
-            complete_step(model, args, kwargs, out)
+            settle_compiled_steps(model, args, kwargs, out)
             return out
 
         return call
@@ -100,7 +89,7 @@ class CreateMasks:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         mask = kwargs.get("attention_mask")
-        if _vase_cache(kwargs) is not None and (mask is None or mask.dim() == 2):
+        if isinstance(find_cache(kwargs), VaSECache) and (mask is None or mask.dim() == 2):
             embeds = kwargs.get("inputs_embeds", kwargs.get("input_embeds"))
             # a fresh tensor: a view would carry the growing row stride into the graph's guards
             return None if mask is None else mask[:, -embeds.shape[1] :].clone(memory_format=torch.contiguous_format)
@@ -116,7 +105,7 @@ class CreateMasks:
 
 def install_compile_support(model: torch.nn.Module, undo: list[Callable[[], None]]) -> None:
     """Install the hook, `get_compiled_call` and `create_masks_for_generate` (see the module docstring)."""
-    hook = model.register_forward_hook(complete_step, with_kwargs=True)
+    hook = model.register_forward_hook(settle_compiled_steps, with_kwargs=True)
     undo.append(RemoveHook(hook))
     set_instance_attr(model, "get_compiled_call", CompiledCall(model), undo)
     previous = model.__dict__.get("create_masks_for_generate", MISSING)

@@ -5,18 +5,16 @@ modules, no closures), so `copy.deepcopy` maps each piece to the copy's modules 
 copy carries a working patch of its own, and `pickle`/`torch.save` store the patch with
 the model (it loads patched, with the same settings).
 
-The state also counts the `generate` and forward calls in flight on the model, so that
-`unpatch` from another thread refuses with `ModelInUseError` instead of pulling the patch
-from under a running generation.
+The state a patch leaves (`wrappers.PatchState`) also counts the `generate` and forward calls
+in flight on the model, so that `unpatch` from another thread refuses with `ModelInUseError`
+instead of pulling the patch from under a running generation.
 """
 
 from __future__ import annotations
 
 import inspect
-import threading
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,8 +22,7 @@ import torch
 from vasepatch import policies
 from vasepatch.cache import CacheMonitor, VaSECache
 from vasepatch.config import VaSEConfig
-from vasepatch.errors import ModelInUseError, NotPatchedError
-from vasepatch.integration import attention
+from vasepatch.errors import NotPatchedError
 from vasepatch.integration.distributed import Sharding
 from vasepatch.integration.families import ModelLayout
 
@@ -66,67 +63,10 @@ def set_instance_attr(obj: Any, name: str, value: Any, undo: list[Callable[[], N
     return previous
 
 
-def original_method(obj: Any, name: str, previous: Any) -> Callable[..., Any]:
-    """What `obj.name` was before the patch: the instance attribute it replaced, or the class's."""
-    if previous is not MISSING:
-        return previous
-    return getattr(type(obj), name).__get__(obj, type(obj))
-
-
 def policy_for(config: VaSEConfig) -> policies.Policy | None:
     """The policy a config asks for (ValueError naming an unknown one), or None for the
     never-evicting `"full"` mode."""
     return policies.for_config(config) if config.evicts else None
-
-
-class PatchState:
-    """What `patch` leaves on the model: its handle, the undo records, the calls in flight."""
-
-    def __init__(self, handle: PatchHandle) -> None:
-        self.handle = handle
-        self.undo: list[Callable[[], None]] = []
-        self.removed = False
-        self.in_flight = 0
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def call(self) -> Iterator[bool]:
-        """Count one call in flight while it runs; yields False if the patch is already gone
-        (a call that looked the wrapper up before `unpatch` then runs the original)."""
-        with self._lock:
-            live = not self.removed
-            self.in_flight += live
-        try:
-            yield live
-        finally:
-            if live:
-                with self._lock:
-                    self.in_flight -= 1
-
-    def remove(self) -> None:
-        """Run the undo records, unless a call is in flight (`ModelInUseError`, nothing changed)."""
-        with self._lock:
-            if self.in_flight:
-                raise ModelInUseError(
-                    f"cannot unpatch: {self.in_flight} generate/forward call(s) are running on this model "
-                    "(in another thread, or the caller is inside one, e.g. a streamer or hook); "
-                    "wait for them to finish, then unpatch"
-                )
-            self.removed = True
-            for restore in reversed(self.undo):
-                restore()
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Copies and pickles carry the patch, not the calls in flight nor the lock."""
-        state = self.__dict__.copy()
-        del state["_lock"]
-        state["in_flight"] = 0
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-        attention.register()  # a model unpickled in a fresh process needs the kernel registered
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:

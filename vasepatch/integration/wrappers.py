@@ -2,7 +2,11 @@
 
 Each holds references to the modules it wraps (so a deep copy of the model maps them to
 the copy's modules, and pickling stores them with the model) and finds the method it
-replaced at call time (`handle.original_method`).
+replaced at call time (`original_method`).
+
+- `settle_compiled_steps`: the model's forward hook; runs the host part of a compiled step.
+- `PatchState`: what `patch` leaves on the model (its handle, the undo records) and the calls
+  in flight, which the wrappers count.
 
 - `AttentionForward`: an attention module's forward; hands its `VaSELayer` to the kernel.
 - `BaseForward`: the decoder stack's forward; checks a vasepatch call before any work
@@ -18,19 +22,87 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from vasepatch.cache import VaSECache
-from vasepatch.cache.cache import PATCHED_CALL
+from vasepatch.errors import ModelInUseError
 from vasepatch.integration import attention
-from vasepatch.integration.handle import PatchHandle, PatchState, original_method
+from vasepatch.integration.handle import MISSING, PatchHandle
+
+
+def original_method(obj: Any, name: str, previous: Any) -> Callable[..., Any]:
+    """What `obj.name` was before the patch: the instance attribute it replaced, or the class's."""
+    if previous is not MISSING:
+        return previous
+    return getattr(type(obj), name).__get__(obj, type(obj))
+
+
+class PatchState:
+    """What `patch` leaves on the model: its handle, the undo records, the calls in flight."""
+
+    def __init__(self, handle: PatchHandle) -> None:
+        self.handle = handle
+        self.undo: list[Callable[[], None]] = []
+        self.removed = False
+        self.in_flight = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def call(self) -> Iterator[bool]:
+        """Count one call in flight while it runs; yields False if the patch is already gone
+        (a call that looked the wrapper up before `unpatch` then runs the original)."""
+        with self._lock:
+            live = not self.removed
+            self.in_flight += live
+        try:
+            yield live
+        finally:
+            if live:
+                with self._lock:
+                    self.in_flight -= 1
+
+    def remove(self) -> None:
+        """Run the undo records, unless a call is in flight (`ModelInUseError`, nothing changed)."""
+        with self._lock:
+            if self.in_flight:
+                raise ModelInUseError(
+                    f"cannot unpatch: {self.in_flight} generate/forward call(s) are running on this model "
+                    "(in another thread, or the caller is inside one, e.g. a streamer or hook); "
+                    "wait for them to finish, then unpatch"
+                )
+            self.removed = True
+            for restore in reversed(self.undo):
+                restore()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles carry the patch, not the calls in flight nor the lock."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["in_flight"] = 0
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        attention.register()  # a model unpickled in a fresh process needs the kernel registered
 
 
 def find_cache(kwargs: dict[str, Any]) -> Any:
     """The cache a call was given (any type), or None."""
     return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def settle_compiled_steps(module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+    """Forward hook of the patched model: the host part of a compiled step (`VaSECache.complete_step`),
+    after the compiled forward; nothing after an eager one (no layer has a step pending)."""
+    cache = find_cache(kwargs)
+    if isinstance(cache, VaSECache) and any(layer.pending for layer in cache.layers):
+        cache.complete_step()
 
 
 def by_name(function: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -62,11 +134,11 @@ class AttentionForward:
         kwargs[attention.LAYER_KWARG] = layer
         if torch.compiler.is_compiling():
             return original(*args, **kwargs)
-        layer.in_step = True  # lets the layer's `update` tell a patched call from a stray one
+        called_alone, layer.in_step = not layer.in_step, True  # the layer's guard: a patched call
         try:
             return original(*args, **kwargs)
         finally:
-            layer.in_step = False
+            layer.in_step = not called_alone
 
 
 class BaseForward:
@@ -94,8 +166,9 @@ class BaseForward:
             if isinstance(cache, VaSECache):
                 check_cache(self.state.handle, cache)
                 check_vase_call(self.state.handle)
-            token = PATCHED_CALL.set(cache)
+            token = attention.PATCHED_CALL.set(cache)
             seen = _tokens_seen(cache)
+            _in_step(cache, True)  # the layers' guard: a patched call (`VaSELayer.check_patched`)
             try:
                 return original(*args, **kwargs)
             except BaseException as err:
@@ -103,7 +176,15 @@ class BaseForward:
                     cache.broken = f"{type(err).__name__}: {err}"
                 raise
             finally:
-                PATCHED_CALL.reset(token)
+                _in_step(cache, False)
+                attention.PATCHED_CALL.reset(token)
+
+
+def _in_step(cache: Any, flag: bool) -> None:
+    """Mark a `VaSECache`'s layers as in (or out of) a patched model's call."""
+    if isinstance(cache, VaSECache):
+        for layer in cache.layers:
+            layer.in_step = flag
 
 
 def _tokens_seen(cache: Any) -> list[int] | None:

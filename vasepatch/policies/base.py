@@ -24,7 +24,8 @@ every policy returns distinct indices with the valid candidates first. With
 `shared_heads` the heads' priorities are combined and every KV head keeps the same
 candidates (`vasepatch.policies.shared`).
 `check_picks` checks the indices an eviction is about to keep, whatever
-produced them (a `Policy` subclass may override `select`).
+produced them (a `Policy` subclass may override `select`); `kept_slots` is the whole
+choice of an eviction: the policy's picks among the candidates, checked, then the window.
 """
 
 from __future__ import annotations
@@ -203,3 +204,47 @@ def _describe(name: str, idx: torch.Tensor, valid: torch.Tensor, n_keep: int) ->
         f"{real[b, h].item()} real candidates): it must keep min(keep={n_keep}, real candidates) = "
         f"{min(n_keep, real[b, h].item())}, never padding while a real token is left out"
     )
+
+
+def kept_slots(
+    policy: Policy,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    queries: torch.Tensor,
+    n: int,
+    budget: int,
+    window: int,
+    generator: torch.Generator | KeyedGenerator | None = None,
+) -> torch.Tensor:
+    """`[B, Hkv, budget]` indices into the first `n` slots: `budget - window` of the older
+    `n - window` chosen by `policy` from the `queries` `[B, Hq, W, D]`, then the last
+    `window` (always kept).
+
+    Order: kept padding first, then real tokens in slot (= sequence) order, then the
+    window, so that once gathered to the front each row's attendable slots form one
+    contiguous range ending at the fill pointer.
+
+    The picks are checked here, where every policy's pass (`check_picks`: shape, dtype, and
+    unless `policy.check_output` is False, range, duplicates and padding kept over real tokens),
+    before anything is written. Evictions run eagerly (a compiled step's after its graph,
+    `VaSELayer.complete_step`), so the check's one host sync never enters a compiled graph.
+    """
+    n_cand = n - window
+    cand_valid = valid[:, :, :n_cand]
+    idx = policy.select(
+        keys[:, :, :n_cand],
+        values[:, :, :n_cand],
+        queries,
+        positions[:, :, :n_cand],
+        cand_valid,
+        budget - window,
+        generator=generator,
+    )
+    data = getattr(policy, "check_output", True)
+    check_picks(getattr(policy, "name", type(policy).__name__), idx, cand_valid, budget - window, data=data)
+    kept_valid = cand_valid.gather(-1, idx)
+    idx = idx.gather(-1, torch.argsort(idx + n_cand * kept_valid.long(), dim=-1))
+    recent = torch.arange(n_cand, n, device=idx.device).expand(*idx.shape[:2], window)
+    return torch.cat([idx, recent], dim=-1)

@@ -20,12 +20,21 @@ it, and are marked `draws_keyed_noise`. A priority function that is not marked
 `torch.Generator` seeded from `(seed, layer, round)` instead: it keeps working and
 is reproducible run after run, but a draw shaped by the local heads is not
 sharding-invariant.
+
+`EvictionRandomness` makes the `KeyedGenerator` of every eviction of a cache's layers, a pure
+function of `(seed, layer index, eviction round)` plus the layer's global head offset, made where
+the eviction runs (eagerly, on the host: building it reads plain ints and moves no data). Nothing
+is carried from one eviction to the next, so the order in which layers evict does not matter
+either. `seed=None` draws the key's seed from torch's global CPU generator at the first eviction
+of each generation (so it follows `torch.manual_seed`); `reset` (a new generation on the same
+cache) starts over: a seeded cache repeats a fresh one.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 
@@ -228,3 +237,31 @@ class StackedKeyedGenerator(KeyedGenerator):
         if b != len(self.row_keys):
             raise ValueError(f"a draw of {b} rows from a StackedKeyedGenerator of {len(self.row_keys)} rows")
         return mixed_indices(0, self.rows, device).repeat(len(self.keys))  # each key's rows are rows 0, 1, ...
+
+
+_SEED_DRAW = 2**62  # a drawn seed: uniform in [0, 2**62)
+
+
+class EvictionRandomness:
+    """The `generator` factory of one cache's layers (shared by all of them)."""
+
+    def __init__(self, seed: int | None) -> None:
+        self.seed = seed
+        self._drawn: int | None = None
+
+    def reset(self) -> None:
+        """A new generation: a seeded cache repeats its draws; `seed=None` draws a new seed."""
+        self._drawn = None
+
+    def generation_seed(self) -> int:
+        """The seed of this generation's keys (`seed`, or one drawn from torch's global generator)."""
+        if self.seed is not None:
+            return self.seed
+        if self._drawn is None:  # a CPU draw: no device sync
+            self._drawn = int(torch.randint(0, _SEED_DRAW, (), dtype=torch.int64))
+        return self._drawn
+
+    def for_eviction(self, plan: Any, eviction: int, device: torch.device) -> KeyedGenerator:
+        """The generator of eviction round `eviction` (0-based) of the layer `plan` describes (a
+        `vasepatch.cache.plan.LayerPlan`: its `index` and `head_offset`)."""
+        return KeyedGenerator(self.generation_seed(), plan.index, eviction, plan.head_offset, device)

@@ -3,8 +3,8 @@
 The request holds `n` slots in every layer; all layers keep the same count (`budget`: vLLM gives a
 request one length), each layer and KV head its own tokens. With `prefill="pin"` the prompt's `pinned`
 slots are left out: the candidates are the slots after them, and the kept ones are gathered to just after
-them. The choice is `vasepatch.cache.eviction
-.kept_slots`, the one the transformers cache makes: the last `window` slots are kept, `budget - window`
+them. The choice is `vasepatch.policies.base.kept_slots`, the
+one the transformers cache makes: the last `window` slots are kept, `budget - window`
 of the older ones are chosen by the policy from the window's queries, and the kept slots are gathered
 in sequence order to slots `pinned..pinned+budget-1`.
 
@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vasepatch.cache.eviction import gather_slots, kept_slots
+from vasepatch.cache.slots import gather_slots
 from vasepatch.config import VaSEConfig
 from vasepatch.integration.vllm import paged_layout
 from vasepatch.policies import Policy
+from vasepatch.policies.base import kept_slots
 from vasepatch.policies.keyed import KeyedGenerator, StackedKeyedGenerator, marked_keyed
 
 STACK_BYTES = 64 * 2**20  # keys and values one stacked call reads, at most (a larger group is chunked)
