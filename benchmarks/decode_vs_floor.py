@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from vasepatch import threads
 from vasepatch.bench.methods import build_method, share_weights
 from vasepatch.bench.settings import BenchSettings, MethodSpec
 from vasepatch.bench.shapes import load_model
+from vasepatch.tools import threads
 
 BUDGET, GENERATED, STEPS = 512, 1024, 64
 

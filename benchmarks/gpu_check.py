@@ -8,7 +8,7 @@ Run it from a checkout: `--allow-cpu` runs the varlen paths through the CPU
 stand-ins in `tests/reference_kernels.py`.
 
 Part 1: every available backend (the varlen ones of
-`vasepatch.integration.backends`; `sdpa` and `eager` as the cache runs them,
+`vasepatch.kernels.backends`; `sdpa` and `eager` as the cache runs them,
 `kernels.grouped_attention` over a slot mask) against `sdpa` in the same dtype
 (and against an fp32 `sdpa` for scale), for decode over a static cache with
 ragged per-(row, KV head) starts and for prefill of a ragged left-padded prompt
@@ -54,9 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from vasepatch.integration import backends as bk
-from vasepatch.integration.backends import torch_varlen
-from vasepatch.integration.kernels import causal_padding_mask, grouped_attention
+from vasepatch.kernels import backends as bk
+from vasepatch.kernels.backends import torch_varlen
+from vasepatch.kernels.grouped import causal_padding_mask, grouped_attention
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 import vasepatch
-from vasepatch import threads
 from vasepatch.bench.methods import share_weights
 from vasepatch.bench.shapes import load_model
+from vasepatch.tools import threads
 
 
 def cases(vocab: int, budget: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

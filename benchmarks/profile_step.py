@@ -32,9 +32,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import vasepatch
-from vasepatch import threads
 from vasepatch.bench.methods import cache_keyword, share_weights
 from vasepatch.bench.shapes import load_model
+from vasepatch.tools import threads
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ import time
 import torch
 
 from vasepatch import VaSEConfig, policies
-from vasepatch.integration.vllm import compaction
+from vasepatch.vllm import compaction
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 30, 3, 9, 64, 32  # SmolLM2-135M, vLLM's CPU block
 

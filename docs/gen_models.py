@@ -5,7 +5,7 @@
 
 Run from the repository root, with the newest transformers vasepatch supports (every family of the matrix
 must exist in it). Nothing in the tables is written by hand: each family's tiny config is built and put
-through detection, so the features column is what `vasepatch.integration.features.attention_features`
+through detection, so the features column is what `tests.attention_features.attention_features`
 reports, and each rejected family's reason is the `UnsupportedModelError` that `patch` raises now. A family
 of the matrix that detection rejects, or a rejected one it accepts, stops the script: the page cannot claim
 more (or less) than the tests check.
@@ -62,10 +62,10 @@ def _tested_with(family, registered: list[str]) -> str:
 
 
 def accepted_table() -> str:
+    from tests.attention_features import attention_features
     from tests.family_matrix import FAMILIES
     from vasepatch import models
     from vasepatch.integration import families
-    from vasepatch.integration.features import attention_features
 
     registered = models.available()
     rows = ["| family (`model_type`) | attention | tested with | limits |", "|---|---|---|---|"]

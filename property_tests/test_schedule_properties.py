@@ -111,7 +111,7 @@ def test_spread_evictions_are_never_late_and_soon_at_most_per_step(window, per_s
     its due step (the footprint bound), none evicts with nothing to evict, and once `window` steps have passed
     since the last arrival no step evicts more than `per_step` requests when the load allows it (`per_step`
     per step over a window holds every request)."""
-    from vasepatch.integration.vllm.scheduler_side import spread
+    from vasepatch.vllm.scheduler_side import spread
 
     since = {}  # request -> decode steps since its last eviction (or its start)
     counts = []
@@ -133,7 +133,7 @@ def test_spread_evictions_are_never_late_and_soon_at_most_per_step(window, per_s
 
 def test_spread_pulls_a_synchronised_burst_apart_once():
     """16 requests due together every 32 steps, 4 per step: the three steps before they are due take 4 each."""
-    from vasepatch.integration.vllm.scheduler_side import spread
+    from vasepatch.vllm.scheduler_side import spread
 
     assert [spread([left] * 16, 4) for left in (5, 4)] == [0, 0]
     assert spread([3] * 16, 4) == 4  # 12 more fit in the 3 steps after this one

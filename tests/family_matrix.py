@@ -24,8 +24,8 @@ import transformers
 from packaging.version import Version
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
+from tests.attention_features import FEATURES  # gqa, sliding, hybrid, sinks, softcap
 from tests.tiny_models import COMMON
-from vasepatch.integration.features import FEATURES  # gqa, sliding, hybrid, sinks, softcap
 
 WINDOW = 8  # sliding window of the sliding families' tiny configs: shorter than every test sequence
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from vasepatch.integration.backends import flash_attn as flash_backend
+from vasepatch.kernels.backends import flash_attn as flash_backend
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:

@@ -17,8 +17,8 @@ from tests import reference_kernels as ref
 from tests.conftest import ragged_batch
 from tests.test_patching import fingerprint
 from tests.tiny_models import VOCAB
-from vasepatch.integration import backends as bk
-from vasepatch.integration.backends import availability, flash_attn, torch_varlen
+from vasepatch.kernels import backends as bk
+from vasepatch.kernels.backends import availability, flash_attn, torch_varlen
 
 
 @pytest.fixture

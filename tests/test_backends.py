@@ -12,9 +12,9 @@ from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
 from tests import reference_kernels as ref
-from vasepatch.integration import backends as bk
-from vasepatch.integration.backends import availability
-from vasepatch.integration.varlen import (
+from vasepatch.kernels import backends as bk
+from vasepatch.kernels.backends import availability
+from vasepatch.kernels.varlen import (
     cu_seqlens,
     decode_gaps,
     decode_seqused,

@@ -11,8 +11,8 @@ from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
 from tests import reference_kernels as ref
-from vasepatch.integration import backends as bk
-from vasepatch.integration.backends import torch_varlen
+from vasepatch.kernels import backends as bk
+from vasepatch.kernels.backends import torch_varlen
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -18,7 +18,7 @@ from vasepatch.bench.measure import MIB, eviction_share, sequence_inputs
 from vasepatch.bench.methods import build_method, kvpress_module, share_weights
 from vasepatch.bench.report import markdown
 from vasepatch.bench.shapes import SHAPES
-from vasepatch.cli import main
+from vasepatch.tools.cli import main
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 COMMITTED = RESULTS / "bench-cpu" / "bench.json"
@@ -227,7 +227,7 @@ def test_bad_options_fail_before_any_work(tmp_path, monkeypatch, capsys, options
 
 def test_quick_preset_and_explicit_options():
     from vasepatch.bench.cli import settings_from_args
-    from vasepatch.cli import build_parser
+    from vasepatch.tools.cli import build_parser
 
     quick = settings_from_args(build_parser().parse_args(["bench", "--quick"]))[0]
     assert (quick.tokens, quick.batch, quick.repeats, quick.steps) == ([256, 512], [1], 1, 32)

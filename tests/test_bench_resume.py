@@ -16,7 +16,7 @@ from vasepatch.bench import BenchSettings, MethodSpec, run_benchmark, summarise
 from vasepatch.bench.measure import MethodRunner, sequence_inputs
 from vasepatch.bench.methods import build_method, share_weights
 from vasepatch.bench.report import markdown
-from vasepatch.cli import main
+from vasepatch.tools.cli import main
 
 # 2 methods x 2 batch sizes x 2 lengths x 2 repeats = 16 segments, in this process
 ARGV = ["bench", "--model", TINY, "--tokens", "16,32", "--budget", "16", "--window", "4", "--batch", "1,2"]
@@ -88,7 +88,7 @@ def _exit_2(argv: list[str], capsys) -> str:
 
 def test_resume_refuses_changed_settings_and_reuses_the_stored_ones(tmp_path, capsys):
     from vasepatch.bench.cli import settings_from_args
-    from vasepatch.cli import build_parser
+    from vasepatch.tools.cli import build_parser
 
     out = tmp_path / "run"
     out.mkdir()

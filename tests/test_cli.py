@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import vasepatch
-from vasepatch import cli, threads
-from vasepatch.cli import main
 from vasepatch.integration.compat import check_transformers
+from vasepatch.tools import cli, threads
+from vasepatch.tools.cli import main
 
 COMMANDS = {"demo", "generate", "eval fidelity", "eval task", "bench"}
 REQUIRED = {"generate": ["hi"]}  # positional arguments a command needs to parse
@@ -55,8 +55,8 @@ def test_every_command_takes_threads_and_debug():
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_threads_are_set_before_the_command_runs_and_restored(name, monkeypatch):
     """`run` sets torch's threads before the command and restores the caller's afterwards."""
-    module = {"demo": "demo", "generate": "generate", "eval fidelity": "eval.fidelity", "eval task": "eval.task",
-              "bench": "bench.cli"}[name]  # fmt: skip
+    module = {"demo": "tools.demo", "generate": "tools.generate", "eval fidelity": "eval.fidelity",
+              "eval task": "eval.task", "bench": "bench.cli"}[name]  # fmt: skip
     entry = "run" if name in ("demo", "generate") else "main"
     seen = []
     monkeypatch.setattr(f"vasepatch.{module}.{entry}", lambda args: seen.append(torch.get_num_threads()))
@@ -117,7 +117,7 @@ def test_other_exceptions_keep_their_traceback(monkeypatch):
     def bug(args):
         raise KeyError("a bug, not a user error")
 
-    monkeypatch.setattr("vasepatch.demo.run", bug)
+    monkeypatch.setattr("vasepatch.tools.demo.run", bug)
     with pytest.raises(KeyError):
         main(["demo"])
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vasepatch.cli import main
+from vasepatch.tools.cli import main
 
 BIG = str(2**40)
 NOT_UTF8 = "caf\udcff"  # the argument b"caf\xff"
@@ -253,7 +253,7 @@ def no_work(monkeypatch):
 
 
 def test_the_table_covers_every_command():
-    from vasepatch.cli import commands
+    from vasepatch.tools.cli import commands
 
     covered = {" ".join(argv[:2]) if argv[:1] == ["eval"] else argv[0] for argv, _ in BAD_INPUTS if argv}
     assert {name for name, _ in commands()} <= covered
@@ -298,7 +298,7 @@ def test_stdin_that_is_not_utf8_is_refused_with_the_byte_and_its_offset(monkeypa
 def test_utf8_stdin_is_read_as_bytes(monkeypatch):
     import io
 
-    from vasepatch import generate
+    from vasepatch.tools import generate
 
     stdin = io.TextIOWrapper(io.BytesIO("café ☕".encode()), encoding="latin-1")  # a wrong locale is not used
     assert generate.read_prompt("-", stdin) == "café ☕"
@@ -321,7 +321,7 @@ def test_bytes_that_are_not_utf8_from_a_real_shell(tmp_path):
     import sys
 
     env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "vasepatch.cli", "generate", "--threads", "1"]
+    command = [sys.executable, "-m", "vasepatch.tools.cli", "generate", "--threads", "1"]
     piped = subprocess.run([*command, "--raw", "-"], input=b"\xff\xfe hello", capture_output=True, timeout=300, env=env)
     assert piped.returncode == 2 and b"loading" not in piped.stderr
     assert piped.stderr == (

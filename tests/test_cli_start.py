@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from vasepatch import cli_args, threads
-from vasepatch.cli import COMMANDS, main
+from vasepatch.tools import cli_args, threads
+from vasepatch.tools.cli import COMMANDS, main
 
 HEAVY = ("torch", "transformers")
 
 PROBE = """
 import json, sys
-import vasepatch.cli as cli
+import vasepatch.tools.cli as cli
 for argv in json.loads(sys.argv[1]):
     try:
         cli.build_parser().parse_args(argv)
@@ -129,7 +129,7 @@ def test_version_answers_fast_in_a_fresh_process():
     """`vasepatch --version` took ~10 s (torch and transformers first). The bound is loose for a loaded 2-core
     machine; unloaded it answers in about 0.3 s."""
     script = Path(sys.executable).with_name("vasepatch")
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "vasepatch.cli"]
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "vasepatch.tools.cli"]
     start = time.perf_counter()
     done = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=120)
     seconds = time.perf_counter() - start
@@ -289,7 +289,7 @@ def test_a_usage_error_on_a_busy_machine_stays_one_line(argv, busy, capsys):
 
 
 def test_threads_given_is_recorded():
-    from vasepatch.cli import build_parser
+    from vasepatch.tools.cli import build_parser
 
     assert build_parser().parse_args(["generate", "hi"]).threads_given is False
     assert build_parser().parse_args(["generate", "hi", "--threads", "1"]).threads_given is True

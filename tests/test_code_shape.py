@@ -1,7 +1,10 @@
 """The shape of the code: size limits, and imports that point one way.
 
-policies <- cache <- integration <- tools (CLI, eval, bench, demo, models); `config`
-and `errors` are leaves that anything may import. Among the tools, `vasepatch.eval` and
+The folders of `vasepatch/` are the layers: `policies` <- `cache` <- `integration` (transformers
+patching) <- tools (`tools/`: the CLI, generate, demo; `eval/`, `bench/`, `reporting/`, `models`);
+`kernels` (attention kernels, pure tensor code) sits beside the policies, used by `integration`;
+`vllm` (the vLLM plugin) uses `cache` and `policies` and nothing of `integration`. `config` and
+`errors` are leaves that anything may import. Among the tools, `vasepatch.eval` and
 `vasepatch.bench` import neither each other (what both need is in `vasepatch.reporting`),
 and no tool module imports one that imports it back, directly or round a longer loop.
 """
@@ -22,8 +25,10 @@ LAYERS = {
     "config": (),
     "errors": (),
     "policies": ("config",),
+    "kernels": ("config", "errors"),
     "cache": ("config", "policies"),
-    "integration": ("config", "errors", "policies", "cache"),
+    "integration": ("config", "errors", "policies", "cache", "kernels"),
+    "vllm": ("config", "errors", "policies", "cache"),
 }
 
 

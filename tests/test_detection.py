@@ -15,8 +15,8 @@ import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import vasepatch
+from tests.attention_features import attention_features
 from vasepatch.integration.families import REASONS, inspect_model
-from vasepatch.integration.features import attention_features
 
 COMMON = dict(
     vocab_size=128,

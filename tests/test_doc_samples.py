@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from vasepatch import models
-from vasepatch.cli import main
+from vasepatch.tools.cli import main
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 TIMING_ROWS = ("time (s)", "decode tok/s")

@@ -17,11 +17,12 @@ import vasepatch
 from tests.conftest import ragged_batch
 from tests.tiny_models import VOCAB, tiny_config
 from tests.tiny_tokenizer import tiny_tokenizer
-from vasepatch import VaSEConfig, cli, policies
-from vasepatch.cli_args import install_hint
+from vasepatch import VaSEConfig, policies
 from vasepatch.eval import answers, cli_options, data, fidelity, grading, progress, task
 from vasepatch.eval.forcing import prompt_positions, teacher_force
 from vasepatch.eval.task_settings import TaskSettings
+from vasepatch.tools import cli
+from vasepatch.tools.cli_args import install_hint
 
 # K and V bytes per slot (row, all layers and KV heads) of the tiny fp32 Qwen3 the CLI tests save
 _CFG = tiny_config("qwen3")

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from tests.tiny_models import VOCAB
 from tests.tiny_tokenizer import tiny_tokenizer
-from vasepatch import VaSEConfig, cli, models
+from vasepatch import VaSEConfig, models
 from vasepatch.eval import answers, cli_options, paired, vllm_answers
 from vasepatch.eval.task_settings import TaskSettings
+from vasepatch.tools import cli
 
 # --- a policy at its own budget
 

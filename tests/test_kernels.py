@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests import reference_kernels as ref
-from vasepatch.integration.kernels import causal_padding_mask, grouped_attention
+from vasepatch.kernels.grouped import causal_padding_mask, grouped_attention
 
 
 def _reference(query, key, value, mask, scaling):

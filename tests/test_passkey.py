@@ -11,9 +11,10 @@ import pytest
 
 from tests.tiny_models import VOCAB, tiny_config
 from tests.tiny_tokenizer import tiny_tokenizer
-from vasepatch import VaSEConfig, cli
+from vasepatch import VaSEConfig
 from vasepatch.eval import answers, grading, haystack, passkey
 from vasepatch.eval.task_settings import TaskSettings
+from vasepatch.tools import cli
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _CFG = tiny_config("qwen3")

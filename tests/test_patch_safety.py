@@ -26,7 +26,8 @@ from tests.test_cache_layer import HKV, HQ, B, D
 from tests.test_cache_layer import _layer as _vase_layer
 from tests.test_patching import fingerprint
 from tests.tiny_models import VOCAB
-from vasepatch.integration import attention, kernels
+from vasepatch.integration import attention
+from vasepatch.kernels import grouped as kernels
 
 GEN = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
 

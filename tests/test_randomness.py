@@ -246,7 +246,7 @@ def test_kept_slots_with_a_keyed_generator_on_a_rank():
 def test_a_stacked_generator_draws_each_rows_own_keys_draws():
     """Row `i` of a `StackedKeyedGenerator` draws what `KeyedGenerator(*keys[i])` draws for row 0 of a batch of
     one, draw after draw: uniforms per KV head (head-shared too) and each row's own Gaussian sketch. So one policy
-    call over stacked evictions (`vasepatch.integration.vllm.compaction.compact_stacked`) keeps what one call
+    call over stacked evictions (`vasepatch.vllm.compaction.compact_stacked`) keeps what one call
     per eviction keeps."""
     cpu = torch.device("cpu")
     keys = [(7, 0, 3), (7, 1, 3), (-5, 0, 0), (2**64 - 1, 29, 11)]

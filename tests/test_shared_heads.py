@@ -134,7 +134,7 @@ def test_the_eval_runs_each_policy_per_head_and_shared():
 
 
 def test_the_cli_flag():
-    from vasepatch import cli
+    from vasepatch.tools import cli
 
     parser = cli.build_parser()
     on = parser.parse_args(["eval", "fidelity", "--shared-heads", "on"])

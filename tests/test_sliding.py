@@ -19,8 +19,8 @@ from vasepatch import policies
 from vasepatch.cache import VaSECache, VaSELayer, sliding
 from vasepatch.cache.plan import LayerPlan
 from vasepatch.config import VaSEConfig
-from vasepatch.integration import backends
-from vasepatch.integration.backends import flash_attn as flash_backend
+from vasepatch.kernels import backends
+from vasepatch.kernels.backends import flash_attn as flash_backend
 
 LENGTHS = (60, 45, 30)
 NEW = 16

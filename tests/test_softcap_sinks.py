@@ -15,7 +15,7 @@ from vasepatch.cache import VaSELayer
 from vasepatch.cache.plan import LayerPlan
 from vasepatch.config import VaSEConfig
 from vasepatch.integration.attention import attention_step
-from vasepatch.integration.kernels import grouped_attention
+from vasepatch.kernels.grouped import grouped_attention
 
 LENGTHS = (30, 21, 9)
 

@@ -14,10 +14,10 @@ import torch
 from transformers import BloomConfig, FalconConfig, LlamaConfig, MptConfig
 
 from vasepatch.config import VaSEConfig
-from vasepatch.integration.vllm import patches, requirements, settings
-from vasepatch.integration.vllm.query_rings import QueryRings
-from vasepatch.integration.vllm.scheduler_side import STEP_ATTR, Step
-from vasepatch.integration.vllm.worker_side import WorkerEviction
+from vasepatch.vllm import patches, requirements, settings
+from vasepatch.vllm.query_rings import QueryRings
+from vasepatch.vllm.scheduler_side import STEP_ATTR, Step
+from vasepatch.vllm.worker_side import WorkerEviction
 
 # --- another vLLM version: inert ------------------------------------------------------------------------------
 

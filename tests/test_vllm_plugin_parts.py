@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 from vasepatch import policies
 from vasepatch.config import VaSEConfig
-from vasepatch.integration.vllm import compaction, engine_access, paged_layout, scheduler_side, settings
-from vasepatch.integration.vllm.query_rings import QueryRings
-from vasepatch.integration.vllm.worker_side import WorkerEviction
 from vasepatch.policies import scoring
 from vasepatch.policies.base import Policy, kept_slots
 from vasepatch.policies.keyed import KeyedGenerator, draws_keyed_noise
+from vasepatch.vllm import compaction, engine_access, paged_layout, scheduler_side, settings
+from vasepatch.vllm.query_rings import QueryRings
+from vasepatch.vllm.worker_side import WorkerEviction
 
 # --- settings -------------------------------------------------------------------------------------------
 
@@ -91,7 +91,7 @@ def test_settings_errors_are_vaseconfigs_own():
 def test_an_engine_error_names_the_values_it_took_as_defaults(engine, text, defaults):
     """An engine's bad settings stop it before it starts, naming the key and which of the values in the
     message the engine did not set (VaSEConfig's defaults), so that the user knows where to change them."""
-    from vasepatch.integration.vllm import requirements
+    from vasepatch.vllm import requirements
 
     with pytest.raises(settings.SettingsError) as error:
         requirements.check_engine(
@@ -553,7 +553,7 @@ def test_the_plan_of_a_pinned_request_counts_its_budget_past_the_prompt():
 
 
 def test_the_prefill_mode_defaults_to_pin_with_prefix_caching_and_compress_is_refused_there():
-    from vasepatch.integration.vllm import requirements
+    from vasepatch.vllm import requirements
 
     asks = {"vasepatch_budget": 128}
     assert settings.resolve(None, asks, None).prefill == "compress"

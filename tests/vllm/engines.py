@@ -80,7 +80,7 @@ def record_eviction_steps(worker) -> None:
     """From now on the worker notes, at every step that evicts, the policy of each due request, how many
     eviction calls it made for them, and each one's eviction round (`collective_rpc`; read with
     `eviction_steps`)."""
-    from vasepatch.integration.vllm.patches import _worker
+    from vasepatch.vllm.patches import _worker
 
     state = _worker(worker.model_runner)
     state.steps_seen, evict = [], state.evict

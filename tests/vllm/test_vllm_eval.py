@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run's vLLM pass runs these in their own venv")
 
-from vasepatch import cli
 from vasepatch.eval import vllm_answers
+from vasepatch.tools import cli
 
 COMMON = ["eval", "task", "--task", "gsm8k", "--model", "smollm2-135m", "--budget", "48", "--window", "16",
           "--max-num-seqs", "8"]  # fmt: skip

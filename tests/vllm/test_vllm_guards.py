@@ -140,7 +140,7 @@ def test_the_query_rings_limit_holds_requests_back_until_their_rings_fit(smollm2
 
 
 def test_the_info_line_says_what_the_engine_will_do(smollm2_path, tmp_path):
-    from vasepatch.integration.vllm import requirements
+    from vasepatch.vllm import requirements
 
     line = requirements.active_line(_engine_config(smollm2_path, {"budget": 64, "window": 16}))
     assert re.search(

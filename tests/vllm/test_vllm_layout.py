@@ -11,7 +11,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run's vLLM pass r
 import torch
 from vllm import _custom_ops as ops
 
-from vasepatch.integration.vllm import paged_layout
+from vasepatch.vllm import paged_layout
 
 HEADS, HEAD_SIZE, BLOCKS = 3, 64, 6
 

@@ -127,7 +127,7 @@ def test_admission_counts_what_an_evicting_request_will_hold():
     request of the same length still needs 32; vLLM's own admission cap is put back after the call."""
     from vllm.v1.request import Request
 
-    from vasepatch.integration.vllm import patches, scheduler_side
+    from vasepatch.vllm import patches, scheduler_side
 
     patches.install()
     asks = {"vasepatch_budget": 64, "vasepatch_window": 32}

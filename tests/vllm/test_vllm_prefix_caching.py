@@ -29,7 +29,7 @@ ASKS = {"vasepatch_budget": BUDGET, "vasepatch_window": WINDOW, "vasepatch_polic
 
 def blocks_digest(worker, blocks: list[int]) -> str:
     """A digest of the bytes of `blocks` in every layer's paged cache."""
-    from vasepatch.integration.vllm import engine_access
+    from vasepatch.vllm import engine_access
 
     _, caches, _, _ = engine_access.layer_caches(worker.model_runner)
     digest = hashlib.sha256()

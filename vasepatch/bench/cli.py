@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vasepatch import threads
 from vasepatch.bench import resume
 from vasepatch.bench.settings import DTYPES, ISOLATION, MASKS, BenchSettings
-from vasepatch.cli_args import (
+from vasepatch.tools import threads
+from vasepatch.tools.cli_args import (
     device,
     folder_problem,
     int_in,
@@ -85,7 +85,7 @@ def given_settings(args: argparse.Namespace) -> dict[str, Any]:
     plain = ("model", "budget", "window", "prompt_len", "repeats", "steps", "dtype", "device", "seed", "isolate")
     plain += ("mask",)
     given.update({k: getattr(args, k) for k in plain if getattr(args, k) is not None})
-    given["threads"] = args.threads  # the shared --threads option (vasepatch.cli): torch threads per method
+    given["threads"] = args.threads  # the shared --threads option (vasepatch.tools.cli): torch threads per method
     return given
 
 
@@ -129,7 +129,7 @@ def main(args: argparse.Namespace) -> None:
     from vasepatch.bench import report
     from vasepatch.bench.runner import run_benchmark
 
-    settings, previous = settings_from_args(args)  # a ValueError: one line, exit status 2 (vasepatch.cli)
+    settings, previous = settings_from_args(args)  # a ValueError: one line, exit status 2 (vasepatch.tools.cli)
     out = Path(settings.out)
     problem = folder_problem(str(out))  # the folder of a resumed run too
     if problem:

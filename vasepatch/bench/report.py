@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vasepatch.cli_args import install_hint
 from vasepatch.reporting import bench_figures
 from vasepatch.reporting.tables import markdown_table
+from vasepatch.tools.cli_args import install_hint
 
 
 def _num(value: float | None, digits: int = 3) -> str:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vasepatch.cli_args import policy_names
 from vasepatch.config import VaSEConfig
-from vasepatch.threads import default_threads
+from vasepatch.tools.cli_args import policy_names
+from vasepatch.tools.threads import default_threads
 
 BASELINES = ("dense", "static", "kvpress", "floor")
 COMPILE_SUFFIX = "+compile"
@@ -72,7 +72,7 @@ class BenchSettings:
     The other fields are the bench's own. `tokens` are the generated lengths at which
     the decode speed is timed (sorted); `steps` is the number of timed decode steps per
     segment (`None`: `cache.window`, one eviction cycle); `dtype=None` means float32 on
-    CPU and bfloat16 on CUDA; `threads=None` means `vasepatch.threads.default_threads()`
+    CPU and bfloat16 on CUDA; `threads=None` means `vasepatch.tools.threads.default_threads()`
     ($OMP_NUM_THREADS, else the physical cores); `isolate="auto"` runs each
     method in its own worker process on CPU (per-method peak RSS) and all in this process
     on CUDA; `mask="auto"` passes an attention mask of ones to eager methods and none to

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vasepatch.cli_args import MIN_TEMPERATURE, int_in, number_in, odd_int, policy_names, policy_names_text, seed
 from vasepatch.config import FULL, PREFILL_MODES, VaSEConfig
+from vasepatch.tools.cli_args import MIN_TEMPERATURE, int_in, number_in, odd_int, policy_names, policy_names_text, seed
 
 SHARED_HEADS = ("off", "on", "both")
 SHARED_SUFFIX = "+shared"  # the run of a policy with shared_heads=True, under --shared-heads both
@@ -26,7 +26,7 @@ def default_config() -> VaSEConfig:
 
 
 def parse_policies(text: str) -> list[str]:
-    """`"all"` -> every policy name (`vasepatch.cli_args.policy_names()`, the registry's: `full` first);
+    """`"all"` -> every policy name (`vasepatch.tools.cli_args.policy_names()`, the registry's: `full` first);
     otherwise the comma-separated names, in order."""
     if text.strip() == "all":
         return policy_names()

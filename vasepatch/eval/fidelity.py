@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import vasepatch
-from vasepatch import threads
-from vasepatch.cli_args import check_positions, int_in, max_positions, number_in, output_dir
 from vasepatch.config import FULL, VaSEConfig
 from vasepatch.eval import cli_options, data, metrics, plots, probe, report
 from vasepatch.eval.fidelity_settings import FidelitySettings
 from vasepatch.eval.progress import Progress, require_extras
+from vasepatch.tools import threads
+from vasepatch.tools.cli_args import check_positions, int_in, max_positions, number_in, output_dir
 
 if TYPE_CHECKING:
     import torch

@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vasepatch.cli_args import check_positions, max_positions
 from vasepatch.eval import answers, grading, haystack, metrics, plots, report
 from vasepatch.eval.progress import Progress
 from vasepatch.eval.task_settings import PASSKEY, TaskSettings
+from vasepatch.tools.cli_args import check_positions, max_positions
 
 COLUMNS = ("policy", "context_length", "accuracy", "stderr", "n", "prompt_tokens", "kv_bytes")
 DEPTH_COLUMNS = ("policy", "context_length", "depth", "accuracy", "n")

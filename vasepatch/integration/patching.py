@@ -46,12 +46,13 @@ import torch
 
 from vasepatch.config import VaSEConfig
 from vasepatch.errors import AlreadyPatchedError, NotPatchedError, UnsupportedModelError
-from vasepatch.integration import attention, backends, distributed
+from vasepatch.integration import attention, distributed
 from vasepatch.integration.compat import check_transformers
 from vasepatch.integration.compile_support import install_compile_support
 from vasepatch.integration.families import ModelLayout, inspect_model
 from vasepatch.integration.handle import MISSING, STATE_ATTR, PatchHandle, policy_for, set_instance_attr
 from vasepatch.integration.wrappers import AttentionForward, BaseForward, GenerateCall, PatchState, PrepareCache
+from vasepatch.kernels import backends
 
 __all__ = ["STATE_ATTR", "PatchHandle", "is_patched", "patch", "patched", "policy_for", "unpatch"]
 

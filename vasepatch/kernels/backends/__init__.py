@@ -7,7 +7,7 @@ Backends (`BACKENDS`, in `auto` order; `availability` says which can run where):
 * `torch_varlen` (`backends.torch_varlen`): torch's FlashAttention-2 varlen
   kernel (torch >= 2.10), CUDA only;
 * `sdpa` and `eager`: masked attention over the static buffer with
-  `vasepatch.integration.kernels.grouped_attention` and the mask the cache
+  `vasepatch.kernels.grouped.grouped_attention` and the mask the cache
   builds; they have no entry point here.
 
 The two varlen backends (`VARLEN_BACKENDS`) need each row and KV head's
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from vasepatch.integration.backends import flash_attn, torch_varlen
-from vasepatch.integration.backends.availability import (
+from vasepatch.kernels.backends import flash_attn, torch_varlen
+from vasepatch.kernels.backends.availability import (
     BACKENDS,
     HALF_DTYPES,
     VARLEN_BACKENDS,
@@ -48,9 +48,9 @@ from vasepatch.integration.backends.availability import (
     resolve_backend,
     unavailable_reason,
 )
-from vasepatch.integration.backends.common import Kernel, VarlenBackend
-from vasepatch.integration.backends.flash_attn import flash_attn_decode
-from vasepatch.integration.backends.torch_varlen import VarlenSpec, torch_varlen_decode, varlen_spec
+from vasepatch.kernels.backends.common import Kernel, VarlenBackend
+from vasepatch.kernels.backends.flash_attn import flash_attn_decode
+from vasepatch.kernels.backends.torch_varlen import VarlenSpec, torch_varlen_decode, varlen_spec
 
 __all__ = [
     "BACKENDS",

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vasepatch.integration.vllm import LOG, settings
+from vasepatch.vllm import LOG, settings
 
 
 def refusal(supported: str, found: str, what: str) -> str:

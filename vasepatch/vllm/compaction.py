@@ -29,10 +29,10 @@ import torch
 
 from vasepatch.cache.slots import gather_slots
 from vasepatch.config import VaSEConfig
-from vasepatch.integration.vllm import paged_layout
 from vasepatch.policies import Policy
 from vasepatch.policies.base import kept_slots
 from vasepatch.policies.keyed import KeyedGenerator, StackedKeyedGenerator, marked_keyed
+from vasepatch.vllm import paged_layout
 
 STACK_BYTES = 64 * 2**20  # keys and values one stacked call reads, at most (a larger group is chunked)
 

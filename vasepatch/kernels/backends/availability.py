@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from vasepatch.errors import install_hint
-from vasepatch.integration.backends import flash_attn, torch_varlen
+from vasepatch.kernels.backends import flash_attn, torch_varlen
 
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa", "eager")  # in `auto` order
 VARLEN_BACKENDS = ("flash_attn", "torch_varlen")  # need each row's attendable slots to be one range

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from vasepatch.integration.backends.common import Kernel, VarlenBackend, decode_shapes, softmax_scale, ungroup_decode
-from vasepatch.integration.varlen import end_per_row
+from vasepatch.kernels.backends.common import Kernel, VarlenBackend, decode_shapes, softmax_scale, ungroup_decode
+from vasepatch.kernels.varlen import end_per_row
 
 OP_NAME = "vasepatch::flash_attn_kvcache"
 

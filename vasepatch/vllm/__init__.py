@@ -22,6 +22,6 @@ LOG = logging.getLogger("vllm.vasepatch")  # a child of vLLM's own logger: its h
 
 def register() -> None:
     """The `vllm.general_plugins` entry point: install the patches in this process (idempotent)."""
-    from vasepatch.integration.vllm import patches
+    from vasepatch.vllm import patches
 
     patches.install()

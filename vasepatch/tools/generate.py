@@ -13,8 +13,10 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vasepatch import models, threads
-from vasepatch.cli_args import (
+from vasepatch import models
+from vasepatch.config import PREFILL_MODES, VaSEConfig
+from vasepatch.tools import threads
+from vasepatch.tools.cli_args import (
     check_positions,
     device,
     int_in,
@@ -25,8 +27,7 @@ from vasepatch.cli_args import (
     read_utf8,
     seed,
 )
-from vasepatch.config import PREFILL_MODES, VaSEConfig
-from vasepatch.streaming import LiveOutput, full_cache_bytes, human_bytes
+from vasepatch.tools.streaming import LiveOutput, full_cache_bytes, human_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -187,7 +188,7 @@ def generate_once(
     import torch
 
     import vasepatch
-    from vasepatch.streaming import TokenStreamer
+    from vasepatch.tools.streaming import TokenStreamer
 
     seed = options.get("seed", 0)
     kwargs = {k: v for k, v in options.items() if k != "seed"}

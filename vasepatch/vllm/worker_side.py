@@ -24,10 +24,10 @@ import torch
 
 from vasepatch import policies
 from vasepatch.config import VaSEConfig
-from vasepatch.integration.vllm import compaction, paged_layout, settings
-from vasepatch.integration.vllm import engine_access as access
-from vasepatch.integration.vllm.query_rings import QueryRings
-from vasepatch.integration.vllm.scheduler_side import STEP_ATTR, Order, Step
+from vasepatch.vllm import compaction, paged_layout, settings
+from vasepatch.vllm import engine_access as access
+from vasepatch.vllm.query_rings import QueryRings
+from vasepatch.vllm.scheduler_side import STEP_ATTR, Order, Step
 
 
 @dataclass

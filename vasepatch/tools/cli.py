@@ -1,7 +1,7 @@
 """The `vasepatch` command line.
 
 Every command takes `--threads` (torch CPU threads, default one per physical core, see
-`vasepatch.threads`) and `--debug`. A user error (a bad flag or value, an argument that is not
+`vasepatch.tools.threads`) and `--debug`. A user error (a bad flag or value, an argument that is not
 UTF-8, a missing or unwritable file) ends the command with one line, `vasepatch: error: <message>`,
 and exit status 2, before any work (before the model loads); `--debug` or `VASEPATCH_DEBUG=1` shows
 the traceback of the errors found after parsing instead.
@@ -15,15 +15,16 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
-from vasepatch import __version__, cli_args, threads
+from vasepatch import __version__
+from vasepatch.tools import cli_args, threads
 
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 """What a command raises for bad input. `vasepatch.errors.UnsupportedModelError` and the data
 errors are `ValueError`s; a path that cannot be read or written raises one of the `OSError`s."""
 
 COMMANDS = {
-    ("demo",): ("vasepatch.demo", "run", "generate with VaSE on SmolLM2 and compare with the full cache"),
-    ("generate",): ("vasepatch.generate", "run", "stream a model's answer through the VaSE cache"),
+    ("demo",): ("vasepatch.tools.demo", "run", "generate with VaSE on SmolLM2 and compare with the full cache"),
+    ("generate",): ("vasepatch.tools.generate", "run", "stream a model's answer through the VaSE cache"),
     ("eval", "fidelity"): ("vasepatch.eval.fidelity", "main", "KL / top-1 agreement / loops vs full cache"),
     ("eval", "task"): ("vasepatch.eval.task", "main", "accuracy on GSM8K / MATH-500 / AIME25, or pass-key"),
     ("bench",): ("vasepatch.bench.cli", "main", "decode throughput and memory: dense, static, vasepatch"),

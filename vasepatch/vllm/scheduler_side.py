@@ -34,8 +34,8 @@ from typing import Any
 
 from vasepatch.cache.schedule import evict_now
 from vasepatch.config import VaSEConfig
-from vasepatch.integration.vllm import LOG, requirements, settings
-from vasepatch.integration.vllm import engine_access as access
+from vasepatch.vllm import LOG, requirements, settings
+from vasepatch.vllm import engine_access as access
 
 STEP_ATTR = "vasepatch_step"  # the SchedulerOutput attribute the worker reads
 RINGS_ATTR = "vasepatch_rings"  # the KVCacheManager attribute holding the engine's `RingBudget`

@@ -4,7 +4,7 @@ backend (`VarlenBackend`), its prefill, and the decode shape checks.
 Both families read the head-major cache buffer `[B, Hkv, C, D]` through free
 views, one sequence (or batch row) per `(b, h_kv)` holding the `G = Hq / Hkv`
 query heads of its GQA group, and run the prefill on the unpadded prompt
-tokens (`vasepatch.integration.varlen`). Everywhere in this package a `kernel`
+tokens (`vasepatch.kernels.varlen`). Everywhere in this package a `kernel`
 is a callable with the real kernel's signature (`Kernel`; None: the CUDA
 kernel), so the packing can be tested on CPU against naive stand-ins.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vasepatch.integration.varlen import PackedPrompt, pack_prompt, repad, unpad
+from vasepatch.kernels.varlen import PackedPrompt, pack_prompt, repad, unpad
 
 Kernel = Callable[..., torch.Tensor]
 

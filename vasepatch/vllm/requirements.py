@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from vasepatch.integration.vllm import LOG, paged_layout, settings
-from vasepatch.integration.vllm import engine_access as access
+from vasepatch.vllm import LOG, paged_layout, settings
+from vasepatch.vllm import engine_access as access
 
 
 def problems(vllm_config: Any) -> list[str]:

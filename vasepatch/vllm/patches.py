@@ -31,9 +31,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from vasepatch.integration.vllm import engine_access as access
-from vasepatch.integration.vllm import inactive, requirements, scheduler_side, settings
-from vasepatch.integration.vllm.worker_side import WorkerEviction
+from vasepatch.vllm import engine_access as access
+from vasepatch.vllm import inactive, requirements, scheduler_side, settings
+from vasepatch.vllm.worker_side import WorkerEviction
 
 VLLM_VERSION = "0.32.0"
 _INSTALLED: list[tuple[Any, str, Callable]] = []  # (owner, name, original): the undo list

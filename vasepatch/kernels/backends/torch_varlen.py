@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vasepatch.integration.backends.common import Kernel, VarlenBackend, decode_shapes, softmax_scale, ungroup_decode
-from vasepatch.integration.varlen import decode_gaps, decode_seqused
+from vasepatch.kernels.backends.common import Kernel, VarlenBackend, decode_shapes, softmax_scale, ungroup_decode
+from vasepatch.kernels.varlen import decode_gaps, decode_seqused
 
 
 class VarlenSpec(NamedTuple):

@@ -11,10 +11,10 @@ import argparse
 import sys
 import time
 
-from vasepatch import generate, threads
-from vasepatch.cli_args import int_in, policy_name, seed
 from vasepatch.config import VaSEConfig
-from vasepatch.streaming import MIB, LiveOutput
+from vasepatch.tools import generate, threads
+from vasepatch.tools.cli_args import int_in, policy_name, seed
+from vasepatch.tools.streaming import MIB, LiveOutput
 
 DEFAULT_PROMPT = (
     "A bakery sells croissants for $2.50 and muffins for $3.25. On Monday it sold 48 croissants and 36 muffins. "
