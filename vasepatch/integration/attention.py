@@ -110,8 +110,11 @@ def vasepatch_attention(
     layer = kwargs.pop(LAYER_KWARG, None)
     if layer is None:
         return _without_vase_cache(module, query, key, value, attention_mask, scaling, dropout, backend, **kwargs)
-    _check_window(layer, kwargs.get("sliding_window"))
-    extras = {"softcap": kwargs.get("softcap"), "sink_logits": kwargs.get("s_aux")}
+    window, plan = kwargs.get("sliding_window"), layer.plan
+    if window is not None and window != plan.sliding_window:  # a module that passes its window
+        fix = "the model's layout plans do not match its attention modules (build the cache with handle.new_cache())"
+        raise window_error(plan.index, window, plan.sliding_window, fix)
+    extras = _extras(kwargs)
     if dropout:
         raise RuntimeError(
             f"attention dropout ({dropout:g}) in training mode is not applied by the vasepatch cache; "
@@ -131,15 +134,20 @@ def vasepatch_attention(
     return out, probs
 
 
-def _check_window(layer: VaSELayer, sliding_window: Any) -> None:
-    """Refuse a module whose own sliding window (the `sliding_window=` it passes) is not its
-    layer plan's: the cache would attend over a different window than the model means."""
-    if sliding_window is not None and sliding_window != layer.plan.sliding_window:
-        raise ValueError(
-            f"decoder layer {layer.plan.index} attends with sliding_window={sliding_window}, but its vasepatch "
-            f"layer plan has sliding_window={layer.plan.sliding_window}; the model's layout plans do not match "
-            "its attention modules (build the cache with handle.new_cache(), or plans from the model's config)"
-        )
+def window_error(index: int, model_window: int | None, plan_window: int | None, fix: str) -> ValueError:
+    """A decoder layer whose sliding window (`model_window`: what its module passes, or the model's layout
+    plan) is not its vasepatch layer plan's (`plan_window`): the cache would attend over a different window
+    than the model means. `fix` says what to do. Raised by the kernel and by the patch's cache check."""
+    return ValueError(
+        f"decoder layer {index} attends with sliding_window={model_window}, but its vasepatch layer plan has "
+        f"sliding_window={plan_window}: {fix}"
+    )
+
+
+def _extras(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What a model's attention module passes beside the tensors and the kernels honour: `softcap=`
+    (logit soft-capping) and `s_aux=` (gpt-oss's learned attention sinks, as `sink_logits`)."""
+    return {"softcap": kwargs.get("softcap"), "sink_logits": kwargs.get("s_aux")}
 
 
 def _without_vase_cache(
@@ -170,7 +178,7 @@ def _without_vase_cache(
         )
     window = kwargs.get("sliding_window")
     mask = causal_padding_mask(attention_mask, query.shape[-2], key.shape[-2], query.device, window)
-    extras = {"softcap": kwargs.get("softcap"), "sink_logits": kwargs.get("s_aux")}
+    extras = _extras(kwargs)
     return grouped_attention(query, key, value, mask, scaling, _masked_backend(backend), dropout, **extras), None
 
 

@@ -208,10 +208,9 @@ def check_cache(handle: PatchHandle, cache: VaSECache) -> None:
     if n != len(layout.attention_modules):
         raise ValueError(f"this VaSECache has {n} layers and this model {len(layout.attention_modules)}: {fix}")
     for ours, theirs in zip(layout.layer_plans(), (layer.plan for layer in cache.layers), strict=True):
-        if ours.sliding_window != theirs.sliding_window:  # worded as the kernel's own check (`attention`)
-            raise ValueError(
-                f"decoder layer {ours.index} attends with sliding_window={ours.sliding_window}, but its vasepatch "
-                f"layer plan has sliding_window={theirs.sliding_window} in this VaSECache: {fix}"
+        if ours.sliding_window != theirs.sliding_window:
+            raise attention.window_error(
+                ours.index, ours.sliding_window, theirs.sliding_window, f"this VaSECache's; {fix}"
             )
         if ours != theirs:
             raise ValueError(f"this VaSECache's layer plan {theirs} differs from this model's {ours}: {fix}")
