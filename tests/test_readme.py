@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vasepatch import cli
+from vasepatch.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
