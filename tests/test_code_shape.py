@@ -190,11 +190,10 @@ def test_the_private_write_rule_catches_one():
     assert _private_writes(tree) == ["line 2: layer._pending", "line 4: layer.ring._p"]
 
 
-# the modules that tell a compiled step from an eager one: the cache layer (step now, settle later),
-# the attention adapter and the patch's wrappers (transformers' call context, which dynamo cannot trace),
-# and the keyed noise (policies trace on their own)
-COMPILE_AWARE = {"vasepatch.cache.layer", "vasepatch.integration.attention", "vasepatch.integration.wrappers"}
-COMPILE_AWARE |= {"vasepatch.policies.keyed"}
+# the modules that tell a compiled step from an eager one: the cache layer (step now, settle later), the
+# patch's wrappers (transformers' call context, which dynamo cannot trace), and the keyed noise (a policy
+# compiles on its own; eagerly its index hashes are cached)
+COMPILE_AWARE = {"vasepatch.cache.layer", "vasepatch.integration.wrappers", "vasepatch.policies.keyed"}
 
 
 def test_is_compiling_is_read_in_few_modules():

@@ -10,10 +10,11 @@ Calls without a vasepatch cache (`use_cache=False`, a `DynamicCache`, a `StaticC
 `cache_implementation="static"`) run transformers' own path: the mask function builds the
 mask of the model's own attention implementation and the kernel dispatches to that
 implementation, so they compute exactly what the unpatched model computes (dropout and
-attention weights included). The patched decoder stack's forward says which call is
-running (`PATCHED_CALL`); under `torch.compile`, which cannot trace that, the mask is
-passed through and a call without a vasepatch cache gets a causal + padding mask over a
-growing cache (with the layer's sliding window, if the module passes one).
+attention weights included). The patch's wrappers (`vasepatch.integration.wrappers`) know which call
+is running, build the mask (`wrappers.padding_mask_passthrough`) and tell this kernel (`OWN_PATH_KWARG`);
+under `torch.compile`, which cannot trace that, the mask is passed through and a call without a vasepatch
+cache gets a causal + padding mask over a growing cache (with the layer's sliding window, if the module
+passes one).
 
 What a model's attention module passes beside the tensors is honoured, never ignored:
 `softcap=` (Gemma2's logit soft-capping) and `s_aux=` (gpt-oss's learned attention sinks)
@@ -26,15 +27,12 @@ from __future__ import annotations
 
 import sys
 import warnings
-from contextvars import ContextVar
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from vasepatch.cache import Step, VaSECache, VaSELayer
+from vasepatch.cache import Step, VaSELayer
 from vasepatch.kernels import backends
 from vasepatch.kernels.grouped import (
     causal_attention,
@@ -45,51 +43,9 @@ from vasepatch.kernels.grouped import (
 
 ATTN_IMPLEMENTATION = "vasepatch"
 LAYER_KWARG = "vasepatch_layer"
+OWN_PATH_KWARG = "vasepatch_own_path"  # set by the patch's wrappers: a call for the model's own attention
 BACKEND_ATTR = "_vasepatch_backend"  # on the private config copy: the backend chosen at patch time
 ORIGINAL_ATTR = "_vasepatch_original"  # on the private config copy: the model's own attention implementation
-
-
-OUTSIDE = object()
-"""`PATCHED_CALL` outside any patched model's forward."""
-PATCHED_CALL: ContextVar[Any] = ContextVar("vasepatch_patched_call", default=OUTSIDE)
-"""The cache given to the patched model's forward now running in this thread (a `VaSECache`,
-another `Cache`, or None), set by the patch around its decoder stack's forward
-(`wrappers.BaseForward`); `OUTSIDE` elsewhere."""
-
-
-def _transformers_path() -> bool:
-    """Whether the running call goes through transformers' own attention (no vasepatch cache)."""
-    if torch.compiler.is_compiling():
-        return False
-    current = PATCHED_CALL.get()
-    return current is not OUTSIDE and not isinstance(current, VaSECache)
-
-
-def padding_mask_passthrough(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
-    """Mask function: for a vasepatch call, the 2-D padding mask (`[B, S]` bool) unchanged, or
-    `None` when there is none or, eagerly, it has no padding (`_all_real`); sizes and offsets,
-    whose names vary across releases, are ignored. For any other call, the mask of the model's
-    own attention implementation."""
-    config = kwargs.get("config")
-    original = getattr(config, ORIGINAL_ATTR, None)
-    if original is None or not _transformers_path():
-        return None if _all_real(attention_mask, kwargs.get("q_length")) else attention_mask
-    if original not in ALL_MASK_ATTENTION_FUNCTIONS:
-        return None  # what transformers does for an implementation without a mask function
-    return ALL_MASK_ATTENTION_FUNCTIONS[original](*args, attention_mask=attention_mask, **kwargs)
-
-
-def _all_real(attention_mask: torch.Tensor | None, q_length: int | None) -> bool:
-    """Whether an eager vasepatch call's 2-D mask marks every token real: it is then dropped (the
-    layers' mask-free fast path), one reduction per forward, as transformers' own SDPA mask does.
-    Never under compilation (the compiled step keeps one graph whatever the mask holds)."""
-    if attention_mask is None or attention_mask.dim() != 2 or torch.compiler.is_compiling():
-        return False
-    if not isinstance(PATCHED_CALL.get(), VaSECache):
-        return False
-    if q_length is not None and attention_mask.shape[-1] < q_length:
-        return False  # too short: the layer names the problem
-    return bool(attention_mask.all())
 
 
 def vasepatch_attention(
@@ -107,9 +63,11 @@ def vasepatch_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     backend = getattr(module.config, BACKEND_ATTR, "sdpa")
-    layer = kwargs.pop(LAYER_KWARG, None)
+    layer, own_path = kwargs.pop(LAYER_KWARG, None), kwargs.pop(OWN_PATH_KWARG, False)
     if layer is None:
-        return _without_vase_cache(module, query, key, value, attention_mask, scaling, dropout, backend, **kwargs)
+        return _without_vase_cache(
+            module, query, key, value, attention_mask, scaling, dropout, backend, own_path, **kwargs
+        )
     window, plan = kwargs.get("sliding_window"), layer.plan
     if window is not None and window != plan.sliding_window:  # a module that passes its window
         fix = "the model's layout plans do not match its attention modules (build the cache with handle.new_cache())"
@@ -159,13 +117,15 @@ def _without_vase_cache(
     scaling: float,
     dropout: float,
     backend: str,
+    own_path: bool,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A call without a vasepatch cache: the model's own attention implementation, with the
-    mask transformers built for it (see the module docstring)."""
+    """A call without a vasepatch cache: the model's own attention implementation, with the mask
+    transformers built for it, in a patched model's eager call (`own_path`) or with a prepared 4-D mask;
+    else a causal + padding mask (see the module docstring)."""
     original = getattr(module.config, ORIGINAL_ATTR, None)
     prepared = attention_mask is not None and attention_mask.dim() != 2
-    if original is not None and (prepared or _transformers_path()):
+    if original is not None and (prepared or own_path):
         kernel = ALL_ATTENTION_FUNCTIONS.get(original)
         if kernel is None:  # "eager": the modeling file's own function, as transformers uses
             kernel = sys.modules[type(module).__module__].eager_attention_forward
@@ -273,9 +233,3 @@ def attend(
 def _masked_backend(backend: str) -> str:
     """The masked kernel (`kernels.MASKED_BACKENDS`) that stands in for `backend` where it has none."""
     return "eager" if backend == "eager" else "sdpa"
-
-
-def register() -> None:
-    """Register the implementation and its mask function (idempotent)."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, vasepatch_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask_passthrough)

@@ -51,7 +51,14 @@ from vasepatch.integration.compat import check_transformers
 from vasepatch.integration.compile_support import install_compile_support
 from vasepatch.integration.families import ModelLayout, inspect_model
 from vasepatch.integration.handle import MISSING, STATE_ATTR, PatchHandle, policy_for, set_instance_attr
-from vasepatch.integration.wrappers import AttentionForward, BaseForward, GenerateCall, PatchState, PrepareCache
+from vasepatch.integration.wrappers import (
+    AttentionForward,
+    BaseForward,
+    GenerateCall,
+    PatchState,
+    PrepareCache,
+    register,
+)
 from vasepatch.kernels import backends
 
 __all__ = ["STATE_ATTR", "PatchHandle", "is_patched", "patch", "patched", "policy_for", "unpatch"]
@@ -147,7 +154,7 @@ def patch(
     )
     chosen = policy_for(cfg)
     layout, shard, backend = _placement(model, layout, cfg)
-    attention.register()
+    register()
     return _install(model, PatchHandle(model, cfg, chosen, layout, backend, shard))
 
 

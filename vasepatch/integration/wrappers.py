@@ -4,6 +4,8 @@ Each holds references to the modules it wraps (so a deep copy of the model maps 
 the copy's modules, and pickling stores them with the model) and finds the method it
 replaced at call time (`original_method`).
 
+- `PATCHED_CALL`, `padding_mask_passthrough`, `register`: which call is running, the mask function of the
+  `"vasepatch"` attention implementation, and its registration with transformers.
 - `settle_compiled_steps`: the model's forward hook; runs the host part of a compiled step.
 - `PatchState`: what `patch` leaves on the model (its handle, the undo records) and the calls
   in flight, which the wrappers count.
@@ -25,14 +27,66 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from vasepatch.cache import VaSECache
 from vasepatch.errors import ModelInUseError
 from vasepatch.integration import attention
 from vasepatch.integration.handle import MISSING, PatchHandle
+
+OUTSIDE = object()
+"""`PATCHED_CALL` outside any patched model's forward."""
+PATCHED_CALL: ContextVar[Any] = ContextVar("vasepatch_patched_call", default=OUTSIDE)
+"""The cache given to the patched model's forward now running in this thread (a `VaSECache`,
+another `Cache`, or None), set by the patch around its decoder stack's forward
+(`BaseForward`); `OUTSIDE` elsewhere."""
+
+
+def transformers_path() -> bool:
+    """Whether the running call goes through transformers' own attention (no vasepatch cache)."""
+    if torch.compiler.is_compiling():
+        return False
+    current = PATCHED_CALL.get()
+    return current is not OUTSIDE and not isinstance(current, VaSECache)
+
+
+def padding_mask_passthrough(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+    """Mask function: for a vasepatch call, the 2-D padding mask (`[B, S]` bool) unchanged, or
+    `None` when there is none or, eagerly, it has no padding (`_all_real`); sizes and offsets,
+    whose names vary across releases, are ignored. For any other call, the mask of the model's
+    own attention implementation."""
+    config = kwargs.get("config")
+    original = getattr(config, attention.ORIGINAL_ATTR, None)
+    if original is None or not transformers_path():
+        return None if _all_real(attention_mask, kwargs.get("q_length")) else attention_mask
+    if original not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return None  # what transformers does for an implementation without a mask function
+    return ALL_MASK_ATTENTION_FUNCTIONS[original](*args, attention_mask=attention_mask, **kwargs)
+
+
+def _all_real(attention_mask: torch.Tensor | None, q_length: int | None) -> bool:
+    """Whether an eager vasepatch call's 2-D mask marks every token real: it is then dropped (the
+    layers' mask-free fast path), one reduction per forward, as transformers' own SDPA mask does.
+    Never under compilation (the compiled step keeps one graph whatever the mask holds)."""
+    if attention_mask is None or attention_mask.dim() != 2 or torch.compiler.is_compiling():
+        return False
+    if not isinstance(PATCHED_CALL.get(), VaSECache):
+        return False
+    if q_length is not None and attention_mask.shape[-1] < q_length:
+        return False  # too short: the layer names the problem
+    return bool(attention_mask.all())
+
+
+def register() -> None:
+    """Register the `"vasepatch"` attention implementation (`attention.vasepatch_attention`) and its mask
+    function with transformers (idempotent)."""
+    AttentionInterface.register(attention.ATTN_IMPLEMENTATION, attention.vasepatch_attention)
+    AttentionMaskInterface.register(attention.ATTN_IMPLEMENTATION, padding_mask_passthrough)
 
 
 def original_method(obj: Any, name: str, previous: Any) -> Callable[..., Any]:
@@ -89,7 +143,7 @@ class PatchState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
-        attention.register()  # a model unpickled in a fresh process needs the kernel registered
+        register()  # a model unpickled in a fresh process needs the kernel registered
 
 
 def find_cache(kwargs: dict[str, Any]) -> Any:
@@ -129,6 +183,8 @@ class AttentionForward:
         args, kwargs = by_name(original, args, kwargs)
         cache = find_cache(kwargs)
         if not isinstance(cache, VaSECache):
+            if not torch.compiler.is_compiling() and transformers_path():
+                kwargs[attention.OWN_PATH_KWARG] = True  # the kernel runs the model's own attention
             return original(*args, **kwargs)
         layer = cache.layers[self.module.layer_idx]
         kwargs[attention.LAYER_KWARG] = layer
@@ -166,7 +222,7 @@ class BaseForward:
             if isinstance(cache, VaSECache):
                 check_cache(self.state.handle, cache)
                 check_vase_call(self.state.handle)
-            token = attention.PATCHED_CALL.set(cache)
+            token = PATCHED_CALL.set(cache)
             seen = _tokens_seen(cache)
             _in_step(cache, True)  # the layers' guard: a patched call (`VaSELayer.check_patched`)
             try:
@@ -177,7 +233,7 @@ class BaseForward:
                 raise
             finally:
                 _in_step(cache, False)
-                attention.PATCHED_CALL.reset(token)
+                PATCHED_CALL.reset(token)
 
 
 def _in_step(cache: Any, flag: bool) -> None:
