@@ -1,4 +1,4 @@
-"""Render the table-driven cases of `tests/test_validation.py` and `tests/test_cli_bad_inputs.py` into
+"""Render the table-driven cases of `tests/package/test_validation.py` and `tests/tools/test_cli_bad_inputs.py` into
 `docs/reliability.md`.
 
     python docs/gen_reliability.py          # rewrite the generated part of the page
@@ -47,7 +47,7 @@ def _settings(settings: dict) -> str:
 
 def tables() -> str:
     sys.path.insert(0, str(ROOT))
-    from tests import test_validation as tv
+    from tests.package import test_validation as tv
     from vasepatch import VaSEConfig, policies
 
     rows = ["| Settings (`VaSEConfig(...)` or `vasepatch.patch(model, ...)`) | Outcome |", "|---|---|"]
@@ -70,11 +70,11 @@ def tables() -> str:
 
 
 def cli_table() -> str:
-    """Every bad command line of `tests/test_cli_bad_inputs.py` and the one line it gets (exit status 2),
+    """Every bad command line of `tests/tools/test_cli_bad_inputs.py` and the one line it gets (exit status 2),
     with the temporary paths shown as the table's placeholders."""
     from transformers.utils import logging as hf_logging
 
-    from tests import test_cli_bad_inputs as tc
+    from tests.tools import test_cli_bad_inputs as tc
 
     hf_logging.disable_progress_bar()  # saving the tiny model
     rows = ["| Command line (`vasepatch ...`; exit status 2, before any work) | Error (stderr) |", "|---|---|"]
@@ -95,4 +95,4 @@ def cli_table() -> str:
 
 
 if __name__ == "__main__":
-    generated_section.main(__doc__, Path(__file__).name, PAGE, "tests/test_validation.py", tables)
+    generated_section.main(__doc__, Path(__file__).name, PAGE, "tests/package/test_validation.py", tables)

@@ -7,9 +7,9 @@ family has grouped-query attention, vocab 128) plus the family's own settings: a
 family's default is large, 4 experts / top-2 for mixture-of-experts, and a sliding window of `WINDOW`
 tokens (shorter than the test sequences) where the family slides.
 
-`tests/test_family_matrix.py` runs parity and eviction over `FAMILIES`; `docs/gen_models.py` renders the
-supported-models page from it, with the attention features that detection reports (`features` below is
-what a family is expected to have: the tests check detection against it).
+`tests/integration/test_family_matrix.py` runs parity and eviction over `FAMILIES`; `docs/gen_models.py`
+renders the supported-models page from it, with the attention features that detection reports (`features`
+below is what a family is expected to have: the tests check detection against it).
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ BUILTIN_POLICIES = (
     "vase-l2", "vase-topk", "vase-var",
 )  # fmt: skip
 """The policies `vasepatch.policies` registers, sorted: what `policies.available()` returns in a fresh process,
-without importing torch (tests/test_cli_start.py keeps the two equal)."""
+without importing torch (tests/tools/test_cli_startup.py keeps the two equal)."""
 
 
 def policy_names() -> list[str]:
