@@ -42,17 +42,18 @@ def tiny_model(vocab: int = 1024):
     import torch
     import transformers
 
+    from vasepatch.bench.shapes import TINY_CONFIG
+
+    # the tests' tiny settings, wider: hidden 256 (8 query heads of 32, 2 KV heads), vocab 1024
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
+        **{
+            **TINY_CONFIG,
+            "vocab_size": vocab,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+        }
     )
     torch.manual_seed(0)  # a script of its own: the global seed only fixes the random weights
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()

@@ -2,10 +2,11 @@
 detection rejects.
 
 Every config is built with the family's own transformers config class (`CONFIG_MAPPING[model_type]`) from the
-shared tiny settings (`tests.tiny_models.COMMON`: 2 layers, hidden 64, 4 query heads, 2 KV heads where the
-family has grouped-query attention, vocab 128) plus the family's own settings: a small `head_dim` where the
-family's default is large, 4 experts / top-2 for mixture-of-experts, and a sliding window of `WINDOW`
-tokens (shorter than the test sequences) where the family slides.
+shared tiny settings (`tests.tiny_models.COMMON`, which is `vasepatch.bench.shapes.TINY_CONFIG`: 2 layers,
+hidden 64, 4 query heads, 2 KV heads where the family has grouped-query attention, vocab 128) plus the
+family's own settings: a small `head_dim` where the family's default is large, 4 experts / top-2 for
+mixture-of-experts, and a sliding window of `WINDOW` tokens (shorter than the test sequences) where the
+family slides.
 
 `tests/integration/test_family_matrix.py` runs parity and eviction over `FAMILIES`; `docs/gen_models.py`
 renders the supported-models page from it, with the attention features that detection reports (`features`

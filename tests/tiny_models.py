@@ -5,20 +5,10 @@ from __future__ import annotations
 import torch
 import transformers
 
-VOCAB = 128
+from vasepatch.bench.shapes import TINY_CONFIG
 
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=1024,
-    pad_token_id=0,
-    bos_token_id=None,
-    eos_token_id=None,
-    tie_word_embeddings=False,
-)
+COMMON = TINY_CONFIG  # the tiny settings every family's tiny model is built from (KV heads: `tiny_config`)
+VOCAB = COMMON["vocab_size"]
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 

@@ -16,18 +16,16 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import vasepatch
 from tests.attention_features import attention_features
+from vasepatch.bench.shapes import TINY_CONFIG
 from vasepatch.integration.families import REASONS, inspect_model
 
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
+# the shared tiny settings with 4 layers (room for a layer pattern), 2 KV heads of 16, 256 positions and real
+# BOS/EOS ids; whether the embeddings are tied is left to each family's config class
+COMMON = {k: v for k, v in TINY_CONFIG.items() if k != "tie_word_embeddings"} | dict(
     num_hidden_layers=4,
-    num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
     max_position_embeddings=256,
-    pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
 )

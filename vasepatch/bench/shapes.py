@@ -3,13 +3,37 @@
 Decode speed and memory depend on a model's shape, not on its weights, so
 `shape:qwen3-4b` builds Qwen3-4B's architecture with random weights (no
 download). `tiny-qwen3` is for tests.
+
+`TINY_CONFIG` is the one definition of the tiny random-weight models: the tests build every family's tiny
+model from it (`tests/tiny_models.py`, `tests/family_matrix.py`), and `tiny-qwen3`, the detection tests'
+models and `benchmarks/soak.py`'s model are it with overrides.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
+
+TINY_CONFIG: Mapping[str, Any] = MappingProxyType(
+    dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=False,
+    )
+)
+"""Config settings of a tiny random-weight decoder (a family's config class adds its own): 2 layers,
+hidden 64, 4 query heads, vocab 128. The number of KV heads is each user's (the tests: 2 where the family
+has grouped-query attention)."""
 
 _QWEN3 = dict(
     vocab_size=151936,
@@ -22,17 +46,15 @@ _QWEN3 = dict(
 )
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "tiny-qwen3": dict(
-        _QWEN3,
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-    ),
+    "tiny-qwen3": {
+        **_QWEN3,
+        **TINY_CONFIG,
+        "vocab_size": 256,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": _QWEN3["max_position_embeddings"],
+        "pad_token_id": None,
+    },
     "qwen3-0.6b": dict(
         _QWEN3,
         hidden_size=1024,
@@ -66,9 +88,8 @@ def shape_config(name: str) -> Any:
 
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    return Qwen3Config(
-        **SHAPES[name], bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="sdpa"
-    )
+    tokens = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return Qwen3Config(**{**tokens, **SHAPES[name]}, attn_implementation="sdpa")
 
 
 def load_model(spec: str, dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Module:
