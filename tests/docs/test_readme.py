@@ -1,6 +1,6 @@
 """The README stays short, its links resolve, and every command it gives is one the tests cover.
 
-The README's ```python blocks run in `tests/test_docs_code.py`. Its shell commands are checked here:
+The README's ```python blocks run in `tests/docs/test_docs_code.py`. Its shell commands are checked here:
 each one is a command this file knows how CI covers (the pins `.ci/run` installs, a `vasepatch`
 command line the CLI parses, a pytest run `.ci/run` makes, `.ci/run` itself). A new command fails
 `test_every_readme_command_is_covered` until a check for it is added here.
@@ -17,7 +17,7 @@ import pytest
 
 from vasepatch.tools import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 CI = (ROOT / ".ci" / "run").read_text()
 BASH_BLOCK = re.compile(r"^```bash\n(.*?)^```$", re.M | re.S)
@@ -71,7 +71,7 @@ def _covered(argv: list[str]) -> str | None:
         return "the pins .ci/run installs, extras that exist"
     if argv[0] == "vasepatch":
         cli.build_parser().parse_args(argv[1:])  # exits on a command line the CLI does not take
-        return "the CLI parses it; tests/test_cli.py and tests/test_generate_cli.py run the commands"
+        return "the CLI parses it; tests/tools/test_cli.py and tests/tools/test_generate_cli.py run the commands"
     if argv[:3] == ["python", "-m", "pytest"]:
         runs = _ci_pytest_runs()
         assert any(_contains(run, argv[3:]) for run in runs), f"{shlex.join(argv)}: not a .ci/run pytest run"

@@ -12,7 +12,7 @@ import torch
 from tests.tiny_models import tiny_model
 from tests.tiny_tokenizer import tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("eval_crosscheck", ROOT / "benchmarks" / "eval_crosscheck.py")
 crosscheck = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(crosscheck)
