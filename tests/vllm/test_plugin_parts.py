@@ -134,16 +134,41 @@ def test_read_slots_follows_the_layout():
             assert torch.equal(values[head, slot], v)
 
 
-def test_write_then_read_round_trips_and_touches_only_the_requests_blocks():
-    cache = torch.randn(9, 2, 8, 2 * 4)
+def _amx_reference_slot(cache, blocks, slot, head):
+    """Slot `slot`'s key and value in the `amx` layout, element by element: keys `[bs/16, d/2, 16, 2]`
+    (slot group, dimension pair, slot, dimension), values `[d/16, bs/2, 16, 2]` (dimension group, slot pair,
+    dimension, slot)."""
+    bs, d = cache.shape[2], cache.shape[3] // 2
+    region = cache[blocks[slot // bs], head].reshape(-1)
+    s = slot % bs
+    k = torch.stack([region[((s // 16) * (d // 2) + j // 2) * 32 + (s % 16) * 2 + j % 2] for j in range(d)])
+    v = torch.stack([region[bs * d + ((j // 16) * (bs // 2) + s // 2) * 32 + (j % 16) * 2 + s % 2] for j in range(d)])
+    return k, v
+
+
+def test_read_slots_follows_the_amx_layout():
+    cache = torch.randn(5, 2, 64, 2 * 32)
+    blocks = [3, 0]
+    keys, values = paged_layout.read_slots(cache, torch.tensor(blocks), 100, "amx")
+    for slot in (0, 1, 15, 16, 17, 63, 64, 99):
+        for head in range(2):
+            k, v = _amx_reference_slot(cache, blocks, slot, head)
+            assert torch.equal(keys[head, slot], k)
+            assert torch.equal(values[head, slot], v)
+
+
+@pytest.mark.parametrize(("isa", "block_size", "head_size"), [("vec", 8, 4), ("vec16", 8, 4), ("amx", 32, 32)])
+def test_write_then_read_round_trips_and_touches_only_the_requests_blocks(isa, block_size, head_size):
+    cache = torch.randn(9, 2, block_size, 2 * head_size)
     before = cache.clone()
     blocks = torch.tensor([4, 1, 6])
-    keys, values = torch.randn(2, 11, 4), torch.randn(2, 11, 4)
-    paged_layout.write_slots(cache, blocks, keys, values)
-    k, v = paged_layout.read_slots(cache, blocks, 11)
+    m = block_size + 3
+    keys, values = torch.randn(2, m, head_size), torch.randn(2, m, head_size)
+    paged_layout.write_slots(cache, blocks, keys, values, isa)
+    k, v = paged_layout.read_slots(cache, blocks, m, isa)
     assert torch.equal(k, keys) and torch.equal(v, values)
     untouched = [b for b in range(9) if b not in (4, 1)]
-    assert torch.equal(cache[untouched], before[untouched])  # block 6 was not needed for 11 slots
+    assert torch.equal(cache[untouched], before[untouched])  # the third block was not needed for m slots
 
 
 # --- the query rings ----------------------------------------------------------------------------------------

@@ -4,6 +4,12 @@ Each side runs in a fresh process (`run_greedy.py`): vLLM without the plugin (`V
 vLLM with it, the engine's settings asking for eviction (`additional_config["vasepatch"]`) with a
 budget larger than every sequence, so that every patched function runs (query rings, physical
 lengths, the scheduler's plan) and none evicts.
+
+Both run the engine core in the test's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so that every prompt is
+queued before the first step and the steps batch the same rows on both sides. With a separate engine-core
+process the first step takes the requests that have arrived by then, and in bfloat16 on a CPU with AMX vLLM's
+own logits depend on the rows batched together: measured on SmolLM2 at 48 tokens, two runs of vLLM without
+the plugin gave different tokens in 2 of 4 tries (a logprob 0.04 apart at step 14), and none of 5 in-process.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ NEW_TOKENS = 48
 
 def greedy(model: str, plugin: bool, engine: dict) -> list[list[int]]:
     spec = {"model": model, "prompts": PROMPTS, "max_tokens": NEW_TOKENS, "engine": engine}
-    return greedy_in_subprocess(spec, {} if plugin else {"VLLM_PLUGINS": "none"}, timeout=420)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **({} if plugin else {"VLLM_PLUGINS": "none"})}
+    return greedy_in_subprocess(spec, env, timeout=420)
 
 
 def check_parity(model: str, engine: dict) -> None:
@@ -38,7 +45,7 @@ def test_smollm2_greedy_tokens_equal_vllm_without_the_plugin(smollm2_path):
 
 @pytest.mark.timeout(900)
 def test_smollm2_in_bfloat16_greedy_tokens_equal_vllm_without_the_plugin(smollm2_path):
-    """bfloat16 caches (the layout's bytes in bfloat16: test_vllm_layout.py)."""
+    """bfloat16 caches: the `amx` layout on a CPU with AMX tiles, `vec` elsewhere (test_vllm_layout.py)."""
     check_parity(smollm2_path, {"dtype": "bfloat16"})
 
 

@@ -61,6 +61,7 @@ def compact(
     rounds: int,
     head_offset: int = 0,
     pinned: int = 0,
+    isa: str = "vec",
 ) -> torch.Tensor:
     """Evict one request down to `pinned + config.budget` slots in every layer (its eviction round `rounds`,
     0-based); returns the kept positions `[layers, kv_heads, budget]`.
@@ -71,14 +72,15 @@ def compact(
     `[layers, kv_heads, n - pinned]` (`candidate_positions`); `head_offset`: the global index of this rank's
     first KV head; `pinned`: leading slots that stay as they are (a pinned prompt). No block that holds
     only pinned slots is read or written: the prompt's full blocks may be the prefix cache's, shared by
-    other requests. The pinned slots of the block where the candidates start are written back unchanged."""
+    other requests. The pinned slots of the block where the candidates start are written back unchanged.
+    `isa`: the caches' layout (`paged_layout.SUPPORTED_ISAS`)."""
     block_size = caches[0].shape[2]
     first = pinned // block_size  # the first block compaction writes
     fixed = pinned - first * block_size  # pinned slots in it, written back as they were
     tail = blocks[first:]
     kept_positions = []
     for layer, cache in enumerate(caches):
-        keys, values = (t.unsqueeze(0) for t in paged_layout.read_slots(cache, tail, n - first * block_size))
+        keys, values = (t.unsqueeze(0) for t in paged_layout.read_slots(cache, tail, n - first * block_size, isa))
         valid = torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device)
         where = positions[layer : layer + 1].to(keys.device)
         generator = KeyedGenerator(config.seed, layer, rounds, head_offset, keys.device)
@@ -87,7 +89,7 @@ def compact(
             queries[layer : layer + 1], n - pinned, config.budget, config.window, generator,
         )  # fmt: skip
         order = torch.cat([torch.arange(fixed, device=kept.device).expand(*kept.shape[:2], fixed), kept + fixed], -1)
-        paged_layout.write_slots(cache, tail, gather_slots(keys, order)[0], gather_slots(values, order)[0])
+        paged_layout.write_slots(cache, tail, gather_slots(keys, order)[0], gather_slots(values, order)[0], isa)
         kept_positions.append(where.gather(-1, kept)[0])
     return torch.stack(kept_positions)
 
@@ -133,7 +135,12 @@ def chunks(dues: Sequence[Due], caches: Sequence[torch.Tensor]) -> list[list[Due
 
 
 def compact_stacked(
-    caches: Sequence[torch.Tensor], dues: Sequence[Due], config: VaSEConfig, policy: Policy, head_offset: int = 0
+    caches: Sequence[torch.Tensor],
+    dues: Sequence[Due],
+    config: VaSEConfig,
+    policy: Policy,
+    head_offset: int = 0,
+    isa: str = "vec",
 ) -> list[torch.Tensor]:
     """Evict every request of `dues` (equal `stack_key`s; `config`'s budget and window, `policy`) as `compact`
     would, in one policy call over all layers and requests; returns each one's kept positions."""
@@ -142,7 +149,7 @@ def compact_stacked(
     m = fixed + candidates  # the slots read from each request's first written block on
     nb = -(-m // block_size)
     blocks = torch.stack([d.blocks[d.pinned // block_size :][:nb] for d in dues])  # [R, nb]
-    read = [paged_layout.read_slots(cache, blocks, m) for cache in caches]  # per layer: [R, H, m, D] twice
+    read = [paged_layout.read_slots(cache, blocks, m, isa) for cache in caches]  # per layer: [R, H, m, D] twice
     keys, values = (torch.cat([r[i] for r in read]) for i in (0, 1))  # rows (layer, request)
     where = torch.stack([d.positions for d in dues], 1).flatten(0, 1).to(keys.device)
     queries = torch.stack([d.queries for d in dues], 1).flatten(0, 1)
@@ -158,6 +165,6 @@ def compact_stacked(
     keys, values = gather_slots(keys, order), gather_slots(values, order)
     for layer, cache in enumerate(caches):
         rows = slice(layer * count, (layer + 1) * count)
-        paged_layout.write_slots(cache, blocks, keys[rows], values[rows])
+        paged_layout.write_slots(cache, blocks, keys[rows], values[rows], isa)
     positions = where.gather(-1, kept).unflatten(0, (layers, count))
     return [positions[:, i] for i in range(count)]

@@ -4,8 +4,8 @@ Eviction rewrites a request's blocks in place and gives some back, so nothing el
 them by position. The prefix cache (blocks published under a hash of the tokens before them) may share
 only a pinned prompt's blocks, so with it on only `prefill="pin"` evicts. Speculative decoding
 (rollbacks and the drafter's own slots), KV connectors (positional blocks), pipeline parallelism, and
-any cache layout but the two the plugin reads (vLLM's CPU backend, `vec` and `vec16`: not the GPU's,
-not AMX's bf16 one, not fp8) are refused with an error naming the setting to change. So are models whose
+any cache layout but the ones the plugin reads (vLLM's x86 CPU backend, `vec`, `vec16` and `amx`: not
+the GPU's, not ARM's `neon`, not fp8) are refused with an error naming the setting to change. So are models whose
 layers are not all full attention (one block table for every layer; sliding-window layers free blocks
 of their own), models with an ALiBi bias (vLLM's CPU kernel computes it from slot positions, which
 compaction moves), more tensor-parallel ranks than KV heads (replicated KV heads would need their
@@ -55,7 +55,7 @@ def problems(vllm_config: Any) -> list[str]:
 
 
 def _layout_problems(vllm_config: Any) -> list[str]:
-    """The plugin reads and writes vLLM's CPU cache layouts `vec` and `vec16` only (`paged_layout`)."""
+    """The plugin reads and writes vLLM's x86 CPU cache layouts only: `vec`, `vec16`, `amx` (`paged_layout`)."""
     if vllm_config.device_config.device_type != "cpu":
         return ["the plugin supports vLLM's CPU backend only (its paged layout, its attention): serve on the CPU"]
     if vllm_config.cache_config.cache_dtype != "auto":
@@ -63,10 +63,10 @@ def _layout_problems(vllm_config: Any) -> list[str]:
     model, block = vllm_config.model_config, vllm_config.cache_config.block_size
     isa = access.attention_isa(vllm_config)
     if isa not in paged_layout.SUPPORTED_ISAS:
-        layouts = " and ".join(paged_layout.SUPPORTED_ISAS)
+        layouts = ", ".join(paged_layout.SUPPORTED_ISAS)
         return [
             f"vLLM's CPU attention would use its {isa!r} cache layout (dtype {model.dtype}, block_size {block}), "
-            f"and the plugin reads only {layouts}: use dtype float32"
+            f"and the plugin reads only its x86 layouts ({layouts}): serve on an x86 CPU"
         ]
     return []
 

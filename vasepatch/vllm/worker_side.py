@@ -101,14 +101,14 @@ class WorkerEviction:
         for key, members in groups.items():
             state = self.requests[members[0][0]]
             dues = [one for _, one in members]
-            kept = self._compact(caches, dues, state, alone=key[0] is None or len(dues) == 1)
+            kept = self._compact(caches, isa, dues, state, alone=key[0] is None or len(dues) == 1)
             for (req_id, one), positions in zip(members, kept, strict=True):
                 self.requests[req_id].kept = positions
                 access.cut_blocks(runner, req_id, -(-(one.pinned + state.config.budget) // block_size))
                 self.evictions += 1
 
     def _compact(
-        self, caches: list[torch.Tensor], dues: list[compaction.Due], state: _Request, alone: bool
+        self, caches: list[torch.Tensor], isa: str, dues: list[compaction.Due], state: _Request, alone: bool
     ) -> list[torch.Tensor]:
         """Each request alone (`compaction.compact`), or the group stacked, a chunk per call."""
         config, policy = state.config, state.policy
@@ -116,13 +116,23 @@ class WorkerEviction:
             self.eviction_calls += len(dues)
             return [
                 compaction.compact(
-                    caches, d.blocks, d.n, d.queries, d.positions, config, policy, d.round, self.head_offset, d.pinned
+                    caches,
+                    d.blocks,
+                    d.n,
+                    d.queries,
+                    d.positions,
+                    config,
+                    policy,
+                    d.round,
+                    head_offset=self.head_offset,
+                    pinned=d.pinned,
+                    isa=isa,
                 )
                 for d in dues
             ]
         kept = []
         for chunk in compaction.chunks(dues, caches):
-            kept += compaction.compact_stacked(caches, chunk, config, policy, self.head_offset)
+            kept += compaction.compact_stacked(caches, chunk, config, policy, self.head_offset, isa)
             self.eviction_calls += 1
         return kept
 
