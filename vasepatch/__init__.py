@@ -12,7 +12,13 @@ import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from vasepatch.config import VaSEConfig
-from vasepatch.errors import AlreadyPatchedError, ModelInUseError, NotPatchedError, UnsupportedModelError
+from vasepatch.errors import (
+    AlreadyPatchedError,
+    ModelInUseError,
+    NoEvictionWarning,
+    NotPatchedError,
+    UnsupportedModelError,
+)
 
 if _TYPE_CHECKING:
     from vasepatch import policies
@@ -37,6 +43,7 @@ _LAZY = {
 __all__ = [
     "AlreadyPatchedError",
     "ModelInUseError",
+    "NoEvictionWarning",
     "NotPatchedError",
     "PatchHandle",
     "PolicyOutputError",

@@ -24,6 +24,13 @@ class ModelInUseError(RuntimeError):
     """`unpatch` was called while a `generate` or forward call is running on the model."""
 
 
+class NoEvictionWarning(UserWarning):
+    """A patched model ran with a cache that is not vasepatch's (transformers' `DynamicCache` that a plain
+    `model(ids)` builds, a `StaticCache`, `cache_implementation="static"`, a cache passed by hand): transformers'
+    own path, which evicts nothing. Shown once per patch; `warnings.filterwarnings("ignore",
+    category=vasepatch.NoEvictionWarning)` silences it."""
+
+
 def source_tree(package_dir: Path | None = None) -> Path | None:
     """The checkout vasepatch is imported from (the folder above the package holding a `pyproject.toml`
     of the project `vasepatch`), or None for an installed wheel."""

@@ -146,6 +146,76 @@ def test_forward_with_a_static_cache_matches(make_model):
     assert torch.equal(out, ref)
 
 
+# --- a call with another cache evicts nothing, and says so once ----------------------------------
+def _hand_loop(model, ids, cache=None, steps=10):
+    """The usual research loop: a forward with `use_cache=True`, then one token at a time, feeding back
+    `out.past_key_values`."""
+    out = model(ids, use_cache=True, **({} if cache is None else {"past_key_values": cache}))
+    for _ in range(steps):
+        out = model(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+    return out
+
+
+OTHER_CACHES = {
+    "a hand-written loop": _hand_loop,
+    "cache_implementation='static'": lambda model, ids: model.generate(ids, cache_implementation="static", **GEN),
+    "a DynamicCache given to generate": lambda model, ids: model.generate(
+        ids, past_key_values=transformers.DynamicCache(), **GEN
+    ),
+}
+
+
+def _no_eviction_warnings(run) -> list[warnings.WarningMessage]:
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [w for w in caught if issubclass(w.category, vasepatch.NoEvictionWarning)]
+
+
+@pytest.mark.parametrize("way", list(OTHER_CACHES))
+def test_a_call_with_another_cache_warns_once_naming_new_cache(make_model, way):
+    model = make_model("llama")
+    ids = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    handle = vasepatch.patch(model, budget=16, window=4, seed=0)
+    caught = _no_eviction_warnings(lambda: [OTHER_CACHES[way](model, ids) for _ in range(2)])
+    assert len(caught) == 1  # once per patch, however many calls
+    message = str(caught[0].message)
+    assert "evicts nothing" in message and "handle.new_cache()" in message
+    assert caught[0].filename == __file__  # it points at the user's call, not at transformers
+    assert handle.stats()["evictions"] == 0
+    handle.remove()
+    vasepatch.patch(model, budget=16, window=4, seed=0)  # a new patch says it again
+    assert len(_no_eviction_warnings(lambda: OTHER_CACHES[way](model, ids))) == 1
+    vasepatch.unpatch(model)
+
+
+def test_the_patch_cache_and_use_cache_false_are_silent(make_model):
+    model = make_model("llama")
+    ids = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    handle = vasepatch.patch(model, budget=16, window=4, seed=0)
+    assert not _no_eviction_warnings(lambda: model.generate(ids, **GEN))
+    assert not _no_eviction_warnings(lambda: _hand_loop(model, ids, handle.new_cache(), steps=24))
+    assert handle.stats()["evictions"] > 0
+    assert not _no_eviction_warnings(lambda: model(ids, use_cache=False))  # nothing to evict
+    handle.remove()
+
+
+@pytest.mark.parametrize("assisted", ["prompt lookup", "assistant model"])
+def test_assisted_decoding_is_refused_by_transformers_own_message(make_model, assisted):
+    """Draft verification crops the cache back to the accepted tokens; an evicting cache cannot hand back
+    tokens it has dropped, so the `VaSECache` is not croppable, and transformers refuses it before any
+    eviction: "requires a cache that can be cropped" (recent releases), "not supported with Static cache
+    classes" (5.0, which sees a fixed-size cache)."""
+    model = make_model("llama")
+    ids = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    draft = {"assistant_model": make_model("llama")} if assisted == "assistant model" else {}
+    kwargs = draft or {"prompt_lookup_num_tokens": 3}
+    with vasepatch.patched(model, budget=16, window=4, seed=0) as handle:
+        with pytest.raises(ValueError, match=r"can be cropped|not supported with Static cache"):
+            model.generate(ids, **GEN, **kwargs)
+        assert handle.stats()["evictions"] == 0
+
+
 # --- output_attentions ---------------------------------------------------------------------------
 def test_eager_output_attentions_are_real_weights(make_model):
     model = make_model("llama", attn="eager")

@@ -14,9 +14,9 @@ import vasepatch
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 PUBLIC = {
-    "AlreadyPatchedError", "ModelInUseError", "NotPatchedError", "PatchHandle", "PolicyOutputError",
-    "UnsupportedModelError", "VaSECache", "VaSEConfig", "VaSELayer", "__version__", "is_patched", "patch",
-    "patched", "policies", "unpatch",
+    "AlreadyPatchedError", "ModelInUseError", "NoEvictionWarning", "NotPatchedError", "PatchHandle",
+    "PolicyOutputError", "UnsupportedModelError", "VaSECache", "VaSEConfig", "VaSELayer", "__version__",
+    "is_patched", "patch", "patched", "policies", "unpatch",
 }  # fmt: skip
 
 

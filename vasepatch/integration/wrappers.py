@@ -13,7 +13,8 @@ replaced at call time (`original_method`).
 - `AttentionForward`: an attention module's forward; hands its `VaSELayer` to the kernel.
 - `BaseForward`: the decoder stack's forward; checks a vasepatch call before any work
   (training-mode dropout), tells the mask function and the cache which call is running
-  (`PATCHED_CALL`), counts the call in flight.
+  (`PATCHED_CALL`), counts the call in flight, and warns once (`warn_not_evicting`) when a call
+  ran with another cache, which evicts nothing.
 - `GenerateCall`: `generate`, counted in flight, so that `unpatch` cannot pull the patch
   from under a running generation.
 - `PrepareCache`: `_prepare_cache_for_generation`; gives `generate()` a fresh `VaSECache`,
@@ -24,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -35,7 +38,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from vasepatch.cache import VaSECache
-from vasepatch.errors import ModelInUseError
+from vasepatch.errors import ModelInUseError, NoEvictionWarning
 from vasepatch.integration import attention
 from vasepatch.integration.handle import MISSING, PatchHandle
 
@@ -104,6 +107,7 @@ class PatchState:
         self.undo: list[Callable[[], None]] = []
         self.removed = False
         self.in_flight = 0
+        self.warned_not_evicting = False  # `warn_not_evicting` has spoken for this patch
         self._lock = threading.Lock()
 
     @contextmanager
@@ -226,7 +230,7 @@ class BaseForward:
             seen = _tokens_seen(cache)
             _in_step(cache, True)  # the layers' guard: a patched call (`VaSELayer.check_patched`)
             try:
-                return original(*args, **kwargs)
+                output = original(*args, **kwargs)
             except BaseException as err:
                 if _tokens_seen(cache) != seen:  # some layers completed the step, others did not
                     cache.broken = f"{type(err).__name__}: {err}"
@@ -234,6 +238,39 @@ class BaseForward:
             finally:
                 _in_step(cache, False)
                 PATCHED_CALL.reset(token)
+        warn_not_evicting(self.state, getattr(output, "past_key_values", cache))
+        return output
+
+
+NOT_EVICTING = (
+    "this call of the patched model ran with transformers' {name}, not a vasepatch cache, so it evicts nothing "
+    "and its KV cache grows with every token (transformers' own path: the unpatched model's outputs). To evict, "
+    "pass the patch's cache: model(ids, {keyword}=handle.new_cache()), and feed back out.past_key_values; "
+    "generate() makes one itself unless it is given a cache or a cache_implementation. use_cache=False needs "
+    "none. (Shown once per patch.)"
+)
+
+
+def warn_not_evicting(state: PatchState, used: Any) -> None:
+    """Warn once per patch (`NoEvictionWarning`) when a call of the patched model ran with a cache that
+    is not vasepatch's, `used`: the one it was given, or the `DynamicCache` transformers built for a
+    plain `model(ids)`. A call without a cache (`use_cache=False`) has nothing to evict: silent."""
+    if state.warned_not_evicting or used is None or isinstance(used, VaSECache):
+        return
+    state.warned_not_evicting = True
+    message = NOT_EVICTING.format(name=type(used).__name__, keyword=state.handle.cache_keyword)
+    warnings.warn(message, NoEvictionWarning, stacklevel=_callers_level())
+
+
+def _callers_level() -> int:
+    """The `stacklevel` of the first frame outside vasepatch, torch and transformers: the user's call."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in INTERNAL:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+INTERNAL = frozenset({"vasepatch", "torch", "transformers"})
 
 
 def _in_step(cache: Any, flag: bool) -> None:
