@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from vasepatch.cache import footprint
 from vasepatch.kernels import backends as bk
 from vasepatch.kernels.backends import torch_varlen
 from vasepatch.kernels.grouped import causal_padding_mask, grouped_attention
@@ -434,7 +435,7 @@ def estimate_method_s(model: str, tokens: list[int], method: str) -> float:
     seen = t if method.split("+")[0] == "dense" else min(t, GPU_BUDGET + GPU_WINDOW)  # keys one query sees
     attention = 4 * b * t * (seen if seen < t else t / 2) * layers * heads * head_dim
     prefill = (2 * params * b * t + attention) / H200_FLOPS
-    kv_bytes = b * seen * layers * 2 * kv_heads * head_dim * 2
+    kv_bytes = b * seen * footprint.kv_bytes_per_token(layers, kv_heads, head_dim, 2)  # bfloat16
     steps = GPU_WINDOW * (1 + GPU_REPEATS * len(tokens))
     decode = steps * (2 * params + kv_bytes) / H200_BYTES_S
     return prefill + decode + (COMPILE_S if method.endswith("+compile") else 0.0)

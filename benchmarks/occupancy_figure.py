@@ -29,6 +29,7 @@ import torch
 
 import vasepatch
 from vasepatch import models
+from vasepatch.cache import footprint
 from vasepatch.reporting import style
 
 PROMPT = (
@@ -60,11 +61,8 @@ class Recorder:
 
 
 def bytes_per_token(model) -> int:
-    """K and V bytes of one token across all layers: 2 x layers x kv_heads x head_dim x dtype bytes."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    dtype_bytes = next(model.parameters()).element_size()
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * dtype_bytes
+    """K and V bytes of one token across all layers, in the weights' dtype (`footprint`'s count)."""
+    return footprint.model_bytes_per_token(model.config, next(model.parameters()).element_size())
 
 
 def _generate(model, inputs, n: int, processors=None):

@@ -38,8 +38,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV pool
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from vasepatch import models
+from vasepatch.cache import footprint
 from vasepatch.config import FULL, VaSEConfig
-from vasepatch.eval import answers, data, passkey, vllm_answers
+from vasepatch.eval import answers, data, passkey
 from vasepatch.eval.task_settings import PASSKEY, TaskSettings
 from vasepatch.reporting.tables import markdown_table
 
@@ -134,11 +135,9 @@ def generate(path: str, settings: TaskSettings, work: list[tuple[str, list[int]]
 
 
 def kv_bytes(config: VaSEConfig | None, prompt: int, new: int, block_size: int, per_token: int) -> float:
-    """The bytes of the blocks the request holds at its end, from the plugin's block math: the prompt
-    compressed to `budget` (evicting policies), then one slot per answer token but the last."""
-    slots = prompt if config is None else min(prompt, config.budget)
-    slots += max(new - 1, 0)
-    return float(-(-slots // block_size) * block_size * per_token)
+    """The bytes of the blocks the request holds at its end, from the plugin's block math
+    (`footprint.held_at_end`: the prompt compressed to `budget`, then one slot per answer token but the last)."""
+    return float(footprint.block_bytes(footprint.held_at_end(config, prompt, new), block_size, per_token))
 
 
 def load_reference(folder: Path, name: str) -> dict[tuple[int, int], dict[str, Any]]:
@@ -149,10 +148,10 @@ def load_reference(folder: Path, name: str) -> dict[tuple[int, int], dict[str, A
 
 
 def bytes_per_token(path: str) -> int:
-    """K and V bytes of one token over all layers (float32), from the model's config (`vllm_answers`' count)."""
+    """K and V bytes of one token over all layers (float32), from the model's config (`footprint`'s count)."""
     from transformers import AutoConfig
 
-    return vllm_answers.bytes_per_token(AutoConfig.from_pretrained(path), "float32")
+    return footprint.model_bytes_per_token(AutoConfig.from_pretrained(path), footprint.dtype_bytes("float32"))
 
 
 def records_of(name, settings, tokenizer, done, reference, sizes) -> list[dict[str, Any]]:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import re
 import signal
@@ -80,7 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def pool_blocks(args: argparse.Namespace, fits: int) -> int:
     """The pool: `fits` requests' whole caches, plus vLLM's null block."""
-    return fits * math.ceil((args.prompt_tokens + args.gen_tokens) / args.block_size) + 1
+    from vasepatch.cache import footprint
+
+    return footprint.pool_blocks(fits, args.prompt_tokens + args.gen_tokens, args.block_size)
 
 
 def server_command(args: argparse.Namespace, model: str, blocks: int, port: int) -> list[str]:

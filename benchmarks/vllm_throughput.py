@@ -143,25 +143,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def pool_sizes(args: argparse.Namespace) -> list[tuple[str, int]]:
     """`(label, blocks)` per pool: `Nx` holds N times the base pool's usable blocks (those of `--full-fits`
     full-cache requests), plus vLLM's null block; a plain number is a count of blocks, null block included."""
-    usable = args.full_fits * math.ceil((args.prompt_tokens + args.gen_tokens) / args.block_size)
+    from vasepatch.cache import footprint
+
+    usable = footprint.pool_blocks(args.full_fits, args.prompt_tokens + args.gen_tokens, args.block_size)
+    usable -= footprint.NULL_BLOCKS
     sizes = []
     for item in (s.strip() for s in args.pools.split(",") if s.strip()):
-        blocks = round(usable * float(item[:-1])) + 1 if item.endswith("x") else int(item)
+        blocks = round(usable * float(item[:-1])) + footprint.NULL_BLOCKS if item.endswith("x") else int(item)
         sizes.append((item, blocks))
     return sizes
 
 
 def block_bytes(args: argparse.Namespace) -> int:
     """Bytes of one KV block of the model (all layers, K and V), from its config; 1 MiB when unknown."""
+    from vasepatch.cache import footprint
+
     try:
         cfg = json.loads((Path(args.model) / "config.json").read_text())
-        cfg = cfg.get("text_config", cfg)
-        head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-        item = 4 if args.dtype in ("float32", "float") else 2
-        return cfg["num_hidden_layers"] * kv_heads * head * 2 * item * args.block_size
+        per_token = footprint.model_bytes_per_token(cfg, footprint.dtype_bytes(args.dtype))
     except (OSError, KeyError, TypeError, ValueError):
         return MIB
+    return footprint.block_bytes(args.block_size, args.block_size, per_token)
 
 
 def engine_kwargs(args: argparse.Namespace, method: str, blocks: int) -> dict[str, Any]:
@@ -490,9 +492,11 @@ def command() -> str:
 
 
 def payload(args: argparse.Namespace, results: list[dict], env: dict) -> dict[str, Any]:
+    from vasepatch.cache import footprint
+
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     settings["pool_blocks"] = dict(pool_sizes(args))
-    settings["blocks_per_full_request"] = math.ceil((args.prompt_tokens + args.gen_tokens) / args.block_size)
+    settings["blocks_per_full_request"] = footprint.blocks(args.prompt_tokens + args.gen_tokens, args.block_size)
     return {"command": command(), "settings": settings, "environment": env, "results": with_ratios(results)}
 
 

@@ -12,7 +12,7 @@ The engine: the model's weights and KV cache in `dtype`, eager, prefix caching o
 `max_num_seqs` requests in flight, and a pool that holds that many requests at their longest (the longest
 prompt plus `max_new_tokens`), so that nothing is ever preempted whatever the mix of runs. A record's `kv_bytes`
 is computed, not measured: the plugin's bound between steps, in whole blocks (the whole sequence for `full`, at
-most `budget + window` slots plus a pinned prompt for an evicting run; `held_at_most` without the chunk).
+most `budget + window` slots plus a pinned prompt for an evicting run: `footprint.held_slots`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vasepatch.cache import footprint
 from vasepatch.config import FULL, VaSEConfig
 from vasepatch.errors import install_hint
 from vasepatch.eval import answers
@@ -69,30 +70,6 @@ def request_args(config: VaSEConfig, seed: int) -> dict[str, Any]:
     return {**args, "vasepatch_policy": config.policy, "vasepatch_protect": config.n_protect, "vasepatch_seed": seed}
 
 
-def held_slots(config: VaSEConfig, prompt: int, new: int) -> int:
-    """The most KV slots an answer of `prompt + new` tokens held: all of them for the full cache; for an evicting
-    run, no more than `pinned + budget + window` (the plugin's bound between steps, `held_at_most` with no
-    chunk; the prompt is pinned with `prefill="pin"`)."""
-    length = prompt + new
-    if not config.evicts:
-        return length
-    pinned = prompt if config.prefill == "pin" else 0
-    return min(length, pinned + config.budget + config.window)
-
-
-def kv_bytes(slots: int, bytes_per_token: int) -> float:
-    """The bytes of the blocks that hold `slots` KV pairs."""
-    return float(-(-slots // BLOCK) * BLOCK * bytes_per_token)
-
-
-def bytes_per_token(model_config: Any, dtype: str) -> int:
-    """K and V bytes of one token over all layers, from the model's config (a transformers `PretrainedConfig`)."""
-    cfg = getattr(model_config, "text_config", None) or model_config
-    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    return cfg.num_hidden_layers * kv_heads * head * 2 * (4 if dtype == "float32" else 2)
-
-
 @dataclass(frozen=True)
 class Request:
     """One answer to ask for: the run (its index), the item, its prompt's token ids and its sampling seed."""
@@ -114,11 +91,6 @@ def requests(runs: Sequence[answers.PolicyRun], work: Sequence[tuple[answers.Ite
         if item.ident not in done[r]
     ]
     return todo, done
-
-
-def pool_blocks(longest: int, in_flight: int) -> int:
-    """Blocks for `in_flight` requests of `longest` tokens, and vLLM's null block."""
-    return in_flight * -(-longest // BLOCK) + 1
 
 
 def limits(settings: Any) -> dict[str, Any]:
@@ -183,7 +155,7 @@ class VLLMAnswers:
         self.tokenizer, self.generation = models.load_tokenizer(settings.model)
         config = AutoConfig.from_pretrained(self.model)
         self.model_class = (getattr(config, "architectures", None) or ["unknown"])[0]
-        self.per_token = bytes_per_token(config, settings.dtype)
+        self.per_token = footprint.model_bytes_per_token(config, footprint.dtype_bytes(settings.dtype))
         self.in_flight = settings.max_num_seqs
         self.blocks: int | None = None
 
@@ -207,7 +179,7 @@ class VLLMAnswers:
         longest = max(len(ids) for _, ids in work) + settings.max_new_tokens
         if todo:
             self.in_flight = min(settings.max_num_seqs, len(todo))
-            self.blocks = pool_blocks(longest, self.in_flight)
+            self.blocks = footprint.pool_blocks(self.in_flight, longest, BLOCK)
             llm = open_engine(settings, self.model, self.blocks, longest, self.per_token, self.in_flight)
             try:
                 self._generate(llm.llm_engine, runs, todo, done, bar)
@@ -245,6 +217,7 @@ class VLLMAnswers:
 
     def _record(self, run: answers.PolicyRun, request: Request, output: Any) -> dict[str, Any]:
         tokens = list(output.token_ids)
-        size = kv_bytes(held_slots(run.config, len(request.ids), len(tokens)), self.per_token)
+        held = footprint.held_slots(run.config, len(request.ids), len(tokens))
+        size = float(footprint.block_bytes(held, BLOCK, self.per_token))
         completion = answers.Completion(tokens, len(request.ids), output.finish_reason == "length", size)
         return {**answers.record_of(run, request.item, completion, self.tokenizer), "seed": request.seed}

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from vasepatch.cache import footprint
 from vasepatch.config import VaSEConfig
 from vasepatch.errors import AlreadyPatchedError, NotPatchedError, UnsupportedModelError
 from vasepatch.integration import attention, distributed
@@ -196,13 +197,13 @@ def _check_fits(
     dtype = distributed.compute_dtype(model)
     if dtype is None:
         return
-    per_layer = 2 * shard.kv_heads * layout.head_dim * dtype.itemsize
     for device, layers in Counter(devices).items():
         if device.type == "cuda":
             available, where = torch.cuda.get_device_properties(device).total_memory, f"GPU memory ({device})"
         else:
             available, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
-        config.check_fits(per_layer * layers, available, where)
+        need = footprint.kv_bytes_per_token(layers, shard.kv_heads, layout.head_dim, dtype.itemsize)
+        config.check_fits(need, available, where)
 
 
 def _choose_backend(model: torch.nn.Module, config: VaSEConfig, devices: list[torch.device], head_dim: int) -> str:

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from vasepatch.cache.footprint import blocks, held_at_most
 from vasepatch.cache.schedule import evict_now
 from vasepatch.config import VaSEConfig
 from vasepatch.vllm import LOG, requirements, settings
@@ -135,21 +136,13 @@ def rings_taken(manager: Any, request: Any) -> None:
         rings.held += rings.need(state)
 
 
-def held_at_most(pinned: int, config: VaSEConfig, chunk: int) -> int:
-    """The most slots an evicting request holds: `pinned + budget + window` between its prefill chunks and
-    decode steps (`plan` evicts any request past that, mid-prompt included), plus the largest chunk vLLM
-    prefills at once (`chunk`: `long_prefill_token_threshold` where set, else `max_num_batched_tokens`). A
-    recompute after preemption is a prefill like any other, so it holds no more."""
-    return pinned + config.budget + config.window + chunk
-
-
 def admission_blocks(request: Any, block_size: int) -> int | None:
     """The blocks vLLM's full-sequence admission check (`scheduler_reserve_full_isl`) counts for an evicting
     request: what it will hold (`held_at_most`), not its logical length; None: vLLM's own count."""
     state = getattr(request, "vasepatch", None)
     if state is None or state.most is None:
         return None
-    return -(-state.most // block_size)
+    return blocks(state.most, block_size)
 
 
 def preempted(request: Any) -> None:
