@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import hypothesis
+import numpy as np
 import pytest
 import torch
 from hypothesis import strategies as st
@@ -706,3 +707,90 @@ def test_a_large_group_is_stacked_in_chunks_that_keep_the_same(monkeypatch):
     got = [k for c in parts for k in compaction.compact_stacked(caches, c, configs[0], policy, head_offset=2)]
     assert all(torch.equal(a, b) for a, b in zip(caches, alone, strict=True))
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+# --- the worker's blocks after an eviction, and its seeded generators -------------------------------------------
+
+
+def _worker_runner(blocks: list[int], extra: dict, block_size: int, layers: int = 2, heads: int = 2, head: int = 16):
+    """A model runner with what the worker's eviction reads and cuts: paged caches in the `vec` layout, the
+    request's block list (its state and its row of the persistent batch, 64 blocks wide)."""
+    context = {
+        f"layer{i}": SimpleNamespace(
+            kv_cache=torch.randn(max(blocks) + 1, heads, block_size, 2 * head), isa="vec",
+            impl=SimpleNamespace(alibi_slopes=None),
+        )
+        for i in range(layers)
+    }  # fmt: skip
+    row = np.zeros((1, 64), dtype=np.int32)
+    row[0, : len(blocks)] = blocks
+    table = SimpleNamespace(block_table=SimpleNamespace(np=row), num_blocks_per_row=np.array([len(blocks)]))
+    group = SimpleNamespace(layer_names=list(context), kv_cache_spec=SimpleNamespace(block_size=block_size))
+    sampling = SimpleNamespace(extra_args=extra, seed=None)
+    return SimpleNamespace(
+        vllm_config=SimpleNamespace(additional_config={}, cache_config=SimpleNamespace(enable_prefix_caching=False)),
+        compilation_config=SimpleNamespace(static_forward_context=context),
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[group]),
+        requests={"a": SimpleNamespace(sampling_params=sampling, block_ids=(blocks,))},
+        input_batch=SimpleNamespace(req_id_to_index={"a": 0}, block_table=SimpleNamespace(block_tables=[table])),
+    )
+
+
+@pytest.mark.parametrize(
+    ("budget", "window", "block_size", "prompt", "pin"),
+    [(64, 16, 16, 20, False), (100, 24, 32, 20, False), (48, 16, 16, 40, True)],
+    ids=["on-blocks", "budget-off-blocks", "pinned-prompt-off-blocks"],
+)
+def test_after_an_eviction_the_worker_holds_the_blocks_the_scheduler_kept(budget, window, block_size, prompt, pin):
+    """The scheduler plans an eviction (`plan` cuts its block list, `free_tail`) and the worker carries out the
+    shipped order on the same blocks: its copies of the block list (the request's state and its batch row) then
+    hold exactly the scheduler's blocks, `ceil((pinned + budget) / block_size)` of them, the row zeroed past
+    them. One block fewer and vLLM's next appends land a block early; one more and they land after a block the
+    pool has given to another request."""
+    extra = {"vasepatch_budget": budget, "vasepatch_window": window, "vasepatch_prefill": "pin" if pin else "compress"}
+    held = (prompt if pin else 0) + budget + window  # due: it holds budget + window past its pinned prompt
+    blocks = list(range(3, 3 + -(-held // block_size)))
+    req = _request("a", prompt, extra)
+    scheduler, manager = _scheduler([req], block_size)
+    manager.req_to_blocks = {"a": list(blocks)}
+    _decode(req, held)
+    step = scheduler_side.finish(scheduler, scheduler_side.plan(scheduler))
+    assert set(step.orders) == {"a"}
+    runner = _worker_runner(list(blocks), extra, block_size)
+    worker = WorkerEviction()
+    worker.settings_of(runner, "a")
+    worker.rings.plan(["a"], [0], [window], [held - window])  # the window's queries, as the attention records them
+    for layer in runner.compilation_config.static_forward_context:
+        worker.record(layer, torch.randn(window, 2, 16), window)
+    worker.before_update(runner, SimpleNamespace(vasepatch_step=step, preempted_req_ids=set()))
+    kept = -(-((prompt if pin else 0) + budget) // block_size)
+    assert manager.req_to_blocks["a"] == blocks[:kept]
+    assert runner.requests["a"].block_ids[0] == blocks[:kept]
+    table = runner.input_batch.block_table.block_tables[0]
+    assert table.num_blocks_per_row[0] == kept
+    assert table.block_table.np[0, :kept].tolist() == blocks[:kept] and not table.block_table.np[0, kept:].any()
+    assert worker.evictions == 1
+
+
+def test_every_discarded_sample_is_undone_the_last_batch_row_included():
+    """A step whose sampled tokens vLLM discards for some rows (prompt chunks that are not the prompt's last):
+    every such row's seeded CPU generator is put back as it was before the step sampled, the batch's last row
+    included; a row that keeps its token keeps its draw; an unseeded row has nothing to put back. The same rows
+    are out of vLLM's sight while its bookkeeping would rewind them by an offset (CPU generators have none)."""
+    rows = 4  # rows 1 and 3 (the last) discard their sample; row 2 is unseeded; the mask's padding is not a row
+    generators = {i: torch.Generator().manual_seed(100 + i) for i in (0, 1, 3)}
+    batch = SimpleNamespace(num_reqs=rows, generators=generators)
+    runner = SimpleNamespace(
+        input_batch=batch, discard_request_mask=SimpleNamespace(np=np.array([False, True, True, True, True]))
+    )
+    before = {i: g.get_state() for i, g in generators.items()}
+    with engine_access.discarded_samples_undone(runner) as undone:
+        for generator in generators.values():
+            torch.rand(8, generator=generator)  # the step's sampling draws from every seeded row
+    assert [i for i in (1, 3) if not torch.equal(generators[i].get_state(), before[i])] == []  # none left advanced
+    assert undone == 2
+    assert not torch.equal(generators[0].get_state(), before[0])
+    assert sorted(engine_access.discarded_generators(runner)) == [1, 3]
+    with engine_access.generators_hidden(runner, list(engine_access.discarded_generators(runner))):
+        assert sorted(batch.generators) == [0]
+    assert sorted(batch.generators) == [0, 1, 3]
