@@ -12,7 +12,6 @@ instead of pulling the patch from under a running generation.
 
 from __future__ import annotations
 
-import inspect
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +22,7 @@ from vasepatch import policies
 from vasepatch.cache import CacheMonitor, VaSECache
 from vasepatch.config import VaSEConfig
 from vasepatch.errors import NotPatchedError
+from vasepatch.integration.compat import cache_keyword
 from vasepatch.integration.distributed import Sharding
 from vasepatch.integration.families import ModelLayout
 
@@ -69,12 +69,6 @@ def policy_for(config: VaSEConfig) -> policies.Policy | None:
     return policies.for_config(config) if config.evicts else None
 
 
-def _cache_keyword(model: torch.nn.Module) -> str:
-
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 class PatchHandle:
     """What `patch` returns: statistics, a cache factory, and `remove()`."""
 
@@ -99,9 +93,9 @@ class PatchHandle:
         self.cache_owner = uuid.uuid4().hex
         """Marks the caches this patch makes (`VaSECache.owner`): a cache of another model, or of
         an earlier patch of this one, is refused at its first use (`wrappers.check_cache`)."""
-        self.cache_keyword = _cache_keyword(model)
-        """The keyword under which the model takes a cache: `"cache"` (recent transformers)
-        or `"past_key_values"` (older 5.x releases)."""
+        self.cache_keyword = cache_keyword(model.forward)
+        """The keyword under which the model takes a cache: `"cache"` where its `forward` has that
+        parameter (recent transformers), else `"past_key_values"` (older 5.x releases)."""
 
     def new_cache(self, config: VaSEConfig | None = None) -> VaSECache:
         """A fresh cache for one generation (what `generate()` gets automatically).

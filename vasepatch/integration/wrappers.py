@@ -40,6 +40,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from vasepatch.cache import VaSECache
 from vasepatch.errors import ModelInUseError, NoEvictionWarning
 from vasepatch.integration import attention
+from vasepatch.integration.compat import CACHE_NAMES, output_cache
 from vasepatch.integration.handle import MISSING, PatchHandle
 
 OUTSIDE = object()
@@ -152,7 +153,7 @@ class PatchState:
 
 def find_cache(kwargs: dict[str, Any]) -> Any:
     """The cache a call was given (any type), or None."""
-    return kwargs.get("cache", kwargs.get("past_key_values"))
+    return next((kwargs[name] for name in CACHE_NAMES if name in kwargs), None)
 
 
 def settle_compiled_steps(module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
@@ -238,14 +239,14 @@ class BaseForward:
             finally:
                 _in_step(cache, False)
                 PATCHED_CALL.reset(token)
-        warn_not_evicting(self.state, getattr(output, "past_key_values", cache))
+        warn_not_evicting(self.state, output_cache(output, cache))
         return output
 
 
 NOT_EVICTING = (
     "this call of the patched model ran with transformers' {name}, not a vasepatch cache, so it evicts nothing "
     "and its KV cache grows with every token (transformers' own path: the unpatched model's outputs). To evict, "
-    "pass the patch's cache: model(ids, {keyword}=handle.new_cache()), and feed back out.past_key_values; "
+    "pass the patch's cache: model(ids, {keyword}=handle.new_cache()), and feed back out.{keyword}; "
     "generate() makes one itself unless it is given a cache or a cache_implementation. use_cache=False needs "
     "none. (Shown once per patch.)"
 )

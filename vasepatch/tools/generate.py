@@ -188,6 +188,7 @@ def generate_once(
     import torch
 
     import vasepatch
+    from vasepatch.integration.compat import output_cache
     from vasepatch.tools.streaming import TokenStreamer
 
     seed = options.get("seed", 0)
@@ -207,8 +208,7 @@ def generate_once(
     if stats is not None:
         kv, full = stats["kv_bytes"], full_cache_bytes(stats)
     else:
-        cache = out.get("cache")  # called `past_key_values` by older transformers releases
-        kv = full = dense_cache_bytes(cache if cache is not None else out.past_key_values)
+        kv = full = dense_cache_bytes(output_cache(out))
     text = tokenizer.decode(ids, skip_special_tokens=True)
     return Run(label, text, ids, streamer.seconds, streamer.prefill_seconds, streamer.decode_rate, kv, full, stats,
                streamer.first_evicted)  # fmt: skip
