@@ -107,6 +107,13 @@ def free_port() -> int:
 @contextlib.contextmanager
 def server(cmd: list[str], port: int, log: Path) -> Iterator[str]:
     """The server, healthy, as its base URL; stopped (process group: SIGINT, SIGTERM, SIGKILL) on exit."""
+    with server_process(cmd, port, log) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(cmd: list[str], port: int, log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`server`, with its process."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -116,7 +123,7 @@ def server(cmd: list[str], port: int, log: Path) -> Iterator[str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start (exit {proc.poll()}); see {log}")
             time.sleep(2)
-        yield url
+        yield url, proc
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError):
