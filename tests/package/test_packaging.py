@@ -7,6 +7,8 @@ import fnmatch
 import importlib.metadata
 import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,23 @@ def test_the_sdist_check_wants_readme_changelog_and_data_licenses(check_dist):
     assert check_dist.check_sdist(good | {"tests/conftest.py"}) == []
     for missing in ("README.md", "CHANGELOG.md", "vasepatch/data/math500/LICENSE"):
         assert check_dist.check_sdist(good - {missing}) == [f"sdist lacks {missing}"]
+
+
+def test_a_folder_named_vasepatch_does_not_shadow_the_install(tmp_path):
+    """A script run from the folder above a clone named `vasepatch` imports the package, not the clone's folder
+    (issue 43: with setuptools' editable import hook, Python took the folder, which has no `__init__.py`, for a
+    namespace package, and `vasepatch.patch` was an AttributeError). pyproject's `package-dir` makes
+    `pip install -e .` a plain path entry, which wins over a namespace folder; a venv installed before it needs
+    `pip install -e .` again."""
+    (tmp_path / "vasepatch").mkdir()  # the clone's folder, seen from the folder above
+    probe = "import vasepatch; print(getattr(vasepatch, '__file__', None)); print(hasattr(vasepatch, 'patch'))"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    where, has_patch = done.stdout.split()
+    assert where == str(Path(vasepatch.__file__)) and has_patch == "True", (
+        f"from {tmp_path}, `import vasepatch` found {where}: reinstall with `pip install -e .`"
+    )
+
+
+def test_the_editable_install_is_a_path_entry(pyproject):
+    assert pyproject["tool"]["setuptools"]["package-dir"] == {"": "."}
