@@ -38,6 +38,15 @@ def blocks_digest(worker, blocks: list[int]) -> str:
     return digest.hexdigest()
 
 
+def blocks_gap(worker, cached: list[int], computed: list[int]) -> list[float]:
+    """For each pair of blocks, the largest difference between their keys and values, over every layer."""
+    from vasepatch.vllm import engine_access
+
+    _, caches, _, _ = engine_access.layer_caches(worker.model_runner)
+    pairs = zip(cached, computed, strict=True)
+    return [max(float((cache[a] - cache[b]).abs().max()) for cache in caches) for a, b in pairs]
+
+
 def prompts(path: str, prompt: list[int]) -> list[list[int]]:
     """Two prompts of 275 tokens: the same first 256, then an instruction of their own (one that makes the
     answer depend on what the request generated, so that evicting it changes the greedy tokens)."""
@@ -101,14 +110,17 @@ def transformers_pinned(path: str, prompt: list[int]) -> list[int]:
 
 @pytest.mark.timeout(900)
 def test_a_recomputed_pinned_request_shares_no_block_past_its_prompt(smollm2_path, capfd):
-    """A full-cache request and three pinned ones with the same prompt, greedy: they generate the same tokens
-    until the pinned ones first evict (96 tokens), and the full-cache one publishes those blocks. It then
+    """A full-cache request and three pinned ones with the same 80-token prompt, greedy: they generate the same
+    tokens until the pinned ones first evict (96 tokens), and the full-cache one publishes those blocks. It then
     outgrows the pool, so vLLM preempts the pinned ones after they have evicted, and recomputes them: their
     logical tokens match the published blocks, but a pinned request must not share them (its next eviction
-    would rewrite them), nor publish its own. A request whose prompt is those 160 tokens then reads 128 of
-    them from the prefix cache and answers as it does reading none, with the same log-probabilities (its
-    greedy tokens alone hardly depend on those blocks)."""
-    prompt_len, full_new, pinned_new = 64, 1150, 1000  # the full request ends at 1,214 tokens: 38 of 40 blocks
+    would rewrite them), nor publish its own. The prompt ends inside its third block (80 = 2.5 blocks of 32),
+    the block where a pinned request's compaction starts: a recompute shares the prompt's 2 full blocks only,
+    never that one, though the cache holds it. A request whose prompt is those 176 tokens then reads 160 of them
+    from the prefix cache: the 5 blocks it reads hold the keys and values that computing them afresh gives, and
+    it answers as it does reading none, with the same log-probabilities (its greedy tokens alone hardly depend
+    on those blocks)."""
+    prompt_len, full_new, pinned_new = 80, 1130, 1000  # the full request ends at 1,210 tokens: 38 of 40 blocks
     prompt = [1 + (3 * j) % 500 for j in range(prompt_len)]
     asks = {"vasepatch_budget": 64, "vasepatch_window": 32, "vasepatch_policy": "vase", "vasepatch_prefill": "pin"}
     params = [SamplingParams(max_tokens=full_new, min_tokens=full_new, temperature=0)]
@@ -117,6 +129,7 @@ def test_a_recomputed_pinned_request_shares_no_block_past_its_prompt(smollm2_pat
         smollm2_path, enable_prefix_caching=True, num_gpu_blocks_override=40, max_model_len=1248,
         disable_log_stats=False,
     ) as llm:  # fmt: skip
+        llm.collective_rpc(record_blocks)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt)] * 4, params, use_tqdm=False)
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         published = prompt + list(outputs[0].outputs[0].token_ids[:96])
@@ -124,13 +137,18 @@ def test_a_recomputed_pinned_request_shares_no_block_past_its_prompt(smollm2_pat
         read = llm.generate([TokensPrompt(prompt_token_ids=published)], follow, use_tqdm=False)[0]
         fresh = SamplingParams(max_tokens=32, temperature=0, logprobs=1, skip_reading_prefix_cache=True)
         recomputed = llm.generate([TokensPrompt(prompt_token_ids=published)], fresh, use_tqdm=False)[0]
+        first = {r.rsplit("-", 1)[0]: runs[0] for r, runs in llm.collective_rpc(seen_blocks)[0].items()}
+        cached, computed = first[read.request_id][:5], first[recomputed.request_id][:5]
+        kv_gaps = llm.collective_rpc(blocks_gap, args=(cached, computed))[0]
         state = llm.collective_rpc(worker_state)[0]
     log = capfd.readouterr()
     preempted = [line for line in (log.out + log.err).splitlines() if "preempted after" in line]
     assert [len(o.outputs[0].token_ids) for o in outputs] == [full_new] + [pinned_new] * 3
     assert metrics["vllm:num_preemptions"] > 0 and preempted, "no pinned request was preempted after evicting"
     assert [list(o.outputs[0].token_ids[:96]) for o in outputs[1:]] == [published[prompt_len:]] * 3
-    assert read.num_cached_tokens == 128 and recomputed.num_cached_tokens == 0
+    assert read.num_cached_tokens == 160 and recomputed.num_cached_tokens == 0
+    print(f"largest gap between a cached block's keys and values and a fresh computation's, by block: {kv_gaps}")
+    assert len(set(cached) | set(computed)) == 10 and max(kv_gaps) < 1e-3  # no cached block was rewritten
     assert list(read.outputs[0].token_ids) == list(recomputed.outputs[0].token_ids)
     steps = zip(read.outputs[0].token_ids, read.outputs[0].logprobs, recomputed.outputs[0].logprobs, strict=True)
     gaps = [abs(a[t].logprob - b[t].logprob) for t, a, b in steps]
