@@ -6,6 +6,7 @@
   long after their first eviction, and recomputed from their whole sequence, in chunks compressed as they
   come, and seeded.
 - vLLM's admission check counts what an evicting request will hold, not its logical length.
+- A request preempted in the very `schedule()` that planned its eviction is not evicted (vLLM's own scheduler).
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run's vLLM pass r
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
-from tests.vllm.engines import block_steps, engine, record_blocks, resumed_at, reused_at_once, worker_state
+from tests.vllm.engines import (
+    block_steps,
+    engine,
+    record_blocks,
+    resumed_at,
+    reused_at_once,
+    seen_blocks,
+    worker_state,
+)
 
 POOL_BLOCKS, BLOCK, CHUNK = 40, 32, 256  # 1,280 slots; CHUNK: max_num_batched_tokens of the seeded test
 BUDGET, WINDOW, NEW = 320, 32, 600  # an evicting request holds up to 11 blocks: 5 of them need 55
@@ -90,8 +99,10 @@ def test_seeded_requests_preempted_after_evicting_are_recomputed_in_chunks(smoll
 @pytest.mark.timeout(900)
 def test_blocks_an_eviction_gives_back_serve_another_request_at_once(smollm2_path):
     """Six requests with staggered prompts in a pool of 24 blocks (no preemption: each holds at most 4): the
-    blocks one request's eviction gives back are held by another in the very next step, and every request's
-    greedy tokens are those of a pool large enough that blocks wait in the free queue."""
+    blocks one request's eviction gives back are held by another in the very next step, every request holds
+    exactly `ceil((budget + window) / block_size)` blocks at every step after its prompt's (the worker's own block
+    lists), and every request's greedy tokens are those of a pool large enough that blocks wait in the free
+    queue."""
     prompts = [[1 + (5 * i + 3 * j) % 500 for j in range(64 + 8 * i)] for i in range(6)]
     asks = {"vasepatch_budget": 64, "vasepatch_window": 32, "vasepatch_policy": "vase"}
     params = SamplingParams(max_tokens=300, min_tokens=300, temperature=0, extra_args=asks)
@@ -101,10 +112,12 @@ def test_blocks_an_eviction_gives_back_serve_another_request_at_once(smollm2_pat
         tight = [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         steps = llm.collective_rpc(block_steps)[0]
+        held = {len(blocks) for runs in llm.collective_rpc(seen_blocks)[0].values() for blocks in runs[1:]}
     with engine(smollm2_path, max_model_len=512) as llm:
         roomy = [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]
     assert metrics["vllm:num_preemptions"] == 0
     assert reused_at_once(steps) > 0
+    assert held == {-(-(64 + 32) // BLOCK)}  # the budget's 2 blocks and the window's one: no block fewer, none more
     assert tight == roomy
 
 
@@ -147,3 +160,128 @@ def test_admission_counts_what_an_evicting_request_will_hold():
 
     assert admitted(11, asks) and not admitted(10, asks)
     assert admitted(32, None) and not admitted(31, None)
+
+
+def _scheduler(path: str, blocks: int, block_size: int):
+    """vLLM's own `Scheduler` and KV cache manager (the plugin installed), for SmolLM2's config, over a pool of
+    `blocks` blocks (one of them vLLM's null block): no model runs, the test plays the workers' outputs."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vasepatch.vllm import patches
+
+    patches.install()
+    args = dict(dtype="float32", enable_prefix_caching=False, max_model_len=160, block_size=block_size, seed=0)
+    config = EngineArgs(model=path, skip_tokenizer_init=True, **args).create_engine_config()
+    config.cache_config.num_gpu_blocks = blocks
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["layer"], spec)]
+    kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    return Scheduler(config, kv, StructuredOutputManager(config), block_size=block_size)
+
+
+@pytest.mark.timeout(300)
+def test_a_request_preempted_in_the_step_that_planned_its_eviction_is_not_evicted(smollm2_path):
+    """vLLM's own scheduler, blocks of 16, 10 usable: a full-cache request and an evicting one (budget 64,
+    window 16) with one 56-token prompt fill the pool. At the step where the evicting one is due (80 slots), its
+    eviction gives a block back, which the full-cache one, first in line, takes for its next token; the
+    evicting one then has no block for its own, and vLLM preempts it in the same `schedule()`. That step orders
+    no eviction of it: its blocks are freed (a worker carrying the order out would compact freed blocks, and
+    give it again the query rings the step has it free). No block is lost, and it resumes and evicts later."""
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    from vasepatch.vllm.scheduler_side import STEP_ATTR
+
+    block, budget, window, new = 16, 64, 16, 60
+    scheduler = _scheduler(smollm2_path, 11, block)
+    asks = {"vasepatch_budget": budget, "vasepatch_window": window}
+    requests = [
+        Request(req_id, list(range(1, 57)), SamplingParams(max_tokens=new, min_tokens=new, extra_args=extra), None)
+        for req_id, extra in (("full", None), ("evicting", asks))
+    ]
+    for request in requests:
+        scheduler.add_request(request)
+    steps = []  # (slots the evicting request held before the step, preempted, scheduled, orders)
+    while scheduler.has_unfinished_requests() and len(steps) < 400:
+        held = requests[1].num_computed_tokens
+        output = scheduler.schedule()
+        scheduled = list(output.num_scheduled_tokens)
+        steps.append((held, set(output.preempted_req_ids), set(scheduled), set(getattr(output, STEP_ATTR).orders)))
+        played = ModelRunnerOutput(
+            req_ids=scheduled, req_id_to_index={r: i for i, r in enumerate(scheduled)},
+            sampled_token_ids=[[7] for _ in scheduled],
+        )  # fmt: skip
+        scheduler.update_from_output(output, played)
+    hit = [i for i, (held, preempted, _, _) in enumerate(steps) if "evicting" in preempted]
+    assert hit and steps[hit[0]][0] == budget + window, steps  # preempted at the step it was due: the case tested
+    stale = [(i, o) for i, (_, preempted, scheduled, o) in enumerate(steps) if o - (scheduled - preempted)]
+    assert stale == []  # no step orders the eviction of a request it preempted, or of one it does not run
+    assert any("evicting" in orders for _, _, _, orders in steps[hit[0] + 1 :])  # it resumed and evicted again
+    assert [r.num_output_tokens for r in requests] == [new, new] and all(r.is_finished() for r in requests)
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 10  # every block back, none twice
+
+
+def record_preempted_and_evicted(worker) -> None:
+    """From now on the worker notes, at every step, the requests preempted since the last step and those it
+    evicted (`collective_rpc`; read with `preempted_and_evicted`)."""
+    from vasepatch.vllm.patches import _worker
+
+    runner, state = worker.model_runner, _worker(worker.model_runner)
+    runner.preempted_and_evicted, update, evict = [], runner._update_states, state.evict
+
+    def noting_update(scheduler_output, *args, **kwargs):
+        runner.preempted_and_evicted.append((set(scheduler_output.preempted_req_ids or ()), set()))
+        return update(scheduler_output, *args, **kwargs)
+
+    def noting_evict(model_runner, due):
+        runner.preempted_and_evicted[-1][1].update(req_id for req_id, _ in due)
+        return evict(model_runner, due)
+
+    runner._update_states, state.evict = noting_update, noting_evict
+
+
+def preempted_and_evicted(worker) -> list[tuple[set[str], set[str]]]:
+    return worker.model_runner.preempted_and_evicted
+
+
+@pytest.mark.timeout(600)
+def test_an_engine_that_preempts_a_request_in_the_step_that_planned_its_eviction_runs_on(smollm2_path, monkeypatch):
+    """The case of the test above in an engine (blocks of 32, 10 usable): a full-cache request and an evicting
+    one (budget 128, window 32) with one 112-token prompt. At the step where the evicting one is due (160 slots),
+    the full-cache one takes the block its eviction gave back, and vLLM preempts it in that `schedule()`. The
+    worker evicts nothing of it at that step (its blocks are freed), the engine runs on, and both requests finish
+    with all their tokens, every block back."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core here: both prompts in its first step
+    budget, window, new = 128, 32, 100
+    asks = {"vasepatch_budget": budget, "vasepatch_window": window, "vasepatch_policy": "vase"}
+    params = [SamplingParams(max_tokens=new, min_tokens=new, temperature=0, extra_args=extra) for extra in (None, asks)]
+    prompt = [1 + (3 * j) % 500 for j in range(112)]
+    with engine(smollm2_path, num_gpu_blocks_override=11, max_model_len=320, disable_log_stats=False) as llm:
+        scheduler, seen = llm.llm_engine.engine_core.engine_core.scheduler, []
+        schedule = scheduler.schedule
+
+        def noting(*args, **kwargs):  # the evicting request's slots before the step, and whom the step preempted
+            held = {r.request_id: r.num_computed_tokens for r in scheduler.running}
+            output = schedule(*args, **kwargs)
+            seen.append((held, set(output.preempted_req_ids)))
+            return output
+
+        scheduler.schedule = noting
+        llm.collective_rpc(record_preempted_and_evicted)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt)] * 2, params, use_tqdm=False)
+        llm.llm_engine.step()  # an engine core in this process steps only while requests run: this step tells the
+        # worker that the last request finished, as the core's own loop does in a process of its own
+        steps = llm.collective_rpc(preempted_and_evicted)[0]
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        state = llm.collective_rpc(worker_state)[0]
+    evicting = next(r for held, _ in seen for r in held if r.rsplit("-", 1)[0] == outputs[1].request_id)
+    at = [held[evicting] for held, preempted in seen if evicting in preempted]
+    assert at == [budget + window], seen  # preempted once, at the step it was due: the case tested
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [new, new]
+    assert [(p, e) for p, e in steps if p & e] == []  # no request evicted at the step that preempted it
+    assert any(evicting in e for _, e in steps)  # it evicted once it resumed
+    assert metrics["vllm:kv_cache_usage_perc"] == 0.0
+    assert (state["requests"], state["ring_bytes"]) == (0, 0)
