@@ -10,6 +10,7 @@ worker.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -127,8 +128,10 @@ def computed_less(request: Any, dropped: int) -> Iterator[None]:
         request.num_computed_tokens += dropped
 
 
-def free_tail(scheduler: Any, req_id: str, slots: int) -> None:
-    """Cut the request's block lists to `ceil(slots / block_size)` and give the rest back to the free pool."""
+def free_tail(scheduler: Any, req_id: str, slots: int) -> int:
+    """Cut the request's block lists to `ceil(slots / block_size)` and give the rest back to the free pool; how
+    many blocks went back."""
+    freed = 0
     for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
         blocks = manager.req_to_blocks.get(req_id)
         keep = -(-slots // manager.block_size)
@@ -139,6 +142,8 @@ def free_tail(scheduler: Any, req_id: str, slots: int) -> None:
         if req_id in manager.num_cached_block:
             manager.num_cached_block[req_id] = min(manager.num_cached_block[req_id], keep)
         manager.block_pool.free_blocks(reversed(tail))
+        freed += len(tail)
+    return freed
 
 
 def block_size(manager: Any) -> int:
@@ -156,12 +161,78 @@ def capped_hit(manager: Any, found: tuple[Any, ...], tokens: int) -> tuple[Any, 
     return (manager.truncate_computed_blocks(blocks, keep), keep, *rest)
 
 
+def log_stats(scheduler: Any) -> bool:
+    """Whether the scheduler makes stats for the frontend (vLLM's `log_stats`)."""
+    return bool(getattr(scheduler, "log_stats", False))
+
+
+def finished_outputs(outputs: dict[int, Any]) -> list[Any]:
+    """The `EngineCoreOutput`s of `update_from_output`'s result (by client) whose request finished at this step."""
+    return [o for eco in outputs.values() for o in eco.outputs if o.finish_reason is not None]
+
+
+def output_request_id(output: Any) -> str:
+    return output.request_id
+
+
+def set_request_result(output: Any, key: str, result: dict[str, Any]) -> None:
+    """Put `result` under `key` of a finished request's `kv_transfer_params` (the one dict of an engine output that
+    reaches the response body: `RequestOutput.kv_transfer_params`, the OpenAI responses' `kv_transfer_params`),
+    unless a KV connector filled it (an engine that evicts has none)."""
+    if output.kv_transfer_params is None:
+        output.kv_transfer_params = {key: result}
+
+
+def step_stats(outputs: dict[int, Any]) -> Any:
+    """The `SchedulerStats` that `update_from_output` attached to one of its outputs, or None (no `log_stats`)."""
+    return next((eco.scheduler_stats for eco in outputs.values() if eco.scheduler_stats is not None), None)
+
+
+def add_stats_field(name: str) -> None:
+    """Give vLLM's `SchedulerStats` dataclass a field `name` (a dict of plain numbers, default None, not in its
+    `__init__`), so that msgspec's encoding of the stats, which writes a dataclass's fields by name, carries it from
+    the EngineCore to the frontend. A decoder without the field ignores it; one with it reads None where it is absent.
+    Idempotent."""
+    import dataclasses
+
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    if name in SchedulerStats.__dataclass_fields__:
+        return
+    kind = dict[str, Any] | None
+    spec = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    added = dataclasses.fields(dataclasses.make_dataclass("Carrier", [(name, kind, spec)]))[0]  # made by dataclasses
+    SchedulerStats.__dataclass_fields__[name] = added
+    SchedulerStats.__annotations__[name] = kind
+    setattr(SchedulerStats, name, None)
+
+
+def stat_loggers(llm: Any) -> list[Any] | None:
+    """The stat loggers of an offline `vllm.LLM` (None where it makes no stats: `disable_log_stats`)."""
+    manager = getattr(llm.llm_engine, "logger_manager", None)
+    return None if manager is None else manager.stat_loggers
+
+
 # --- the model runner (worker process) ----------------------------------------------------------------------
 
 
 def preempted(scheduler_output: Any) -> set[str]:
     """The requests the scheduler preempted since the last step (their blocks are freed)."""
     return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+
+def with_report(output: Any, attr: str, report: Any) -> Any:
+    """A step's output of the model runner with `report` as its attribute `attr` (pickled with it to the EngineCore);
+    vLLM's shared empty output is copied first. Anything but a `ModelRunnerOutput` (None: sampling follows) is
+    returned as it is, and `report` is not called."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    if not isinstance(output, ModelRunnerOutput):
+        return output
+    if output is EMPTY_MODEL_RUNNER_OUTPUT:
+        output = copy.copy(output)
+    setattr(output, attr, report())
+    return output
 
 
 def runner_sampling(runner: Any, req_id: str) -> tuple[Any, int | None] | None:

@@ -2,7 +2,7 @@
 
 vLLM has no extension point for a request whose slot count falls while its positions keep counting,
 for giving a running request's tail blocks back, or for per-request side buffers of an attention
-backend (docs/vllm.md, "What is patched"). So the plugin wraps thirteen functions of the pinned version,
+backend (docs/vllm.md, "What is patched"). So the plugin wraps sixteen functions of the pinned version,
 each wrapper calling the original:
 
 | vLLM function | process | the wrapper |
@@ -14,23 +14,29 @@ each wrapper calling the original:
 | `KVCacheManager.allocate_slots` | EngineCore | physical block math; admission by blocks held and the rings' limit |
 | `KVCacheManager.get_computed_blocks` | EngineCore | an evicting request shares no cached block past its prompt |
 | `KVCacheCoordinator.cache_blocks` | EngineCore | ... and publishes none (compaction rewrites them) |
+| `Scheduler.update_from_output` | EngineCore | the worker's report in; stats and finished requests' numbers out |
 | `GPUModelRunner._update_states` | worker | carry out the orders before new blocks are appended |
 | `GPUModelRunner._prepare_inputs` | worker | physical `seq_lens` and slot mapping; plan the query rings |
 | `GPUModelRunner._on_request_state_removed` | worker | free a finished request's side state |
 | `GPUModelRunner._sample` | worker | a discarded sample leaves a seeded CPU generator as it was |
 | `GPUModelRunner._bookkeeping_sync` | worker | ... instead of vLLM's offset rewind, which CPU generators lack |
 | `CPUAttentionBackendImpl.forward` | worker | record the queries (after RoPE) |
+| `GPUModelRunner.execute_model` | worker | an output it returns (an empty step's) carries the worker's report |
+| `GPUModelRunner.sample_tokens` | worker | ... and so does every other step's output (`metrics`) |
+
+Where these wraps hold, vLLM's `SchedulerStats` dataclass also gets one field, `vasepatch` (`metrics.STATS_FIELD`),
+in every process: the plugin's numbers travel in it to the frontend's stat logger (`stat_logger`).
 
 Each row has a contract (`contracts.CONTRACTS`): the parameters the wrapper was written for and what the
 plugin reads or writes on vLLM's objects around it. `install()` is idempotent, and checks them first:
 
 - on 0.32.0 itself, and on another 0.32.x release (a pre-release or dev build too), the contracts are
-  checked against the classes found; every one holds: all thirteen are wrapped (on a release other than
+  checked against the classes found; every one holds: all sixteen are wrapped (on a release other than
   0.32.0, with one warning line naming it and the contracts checked); any mismatch: inert, one warning
   line per mismatch, naming the function and what changed;
 - on any other version (another minor): inert, unchecked.
 
-Inert: it wraps none of the last eleven, and the first two only to refuse VaSE settings (`inactive`): vLLM
+Inert: it wraps none of the last fourteen, and the first two only to refuse VaSE settings (`inactive`): vLLM
 starts and serves as if the plugin were absent.
 """
 
@@ -40,7 +46,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from vasepatch.vllm import LOG, contracts, inactive, requirements, scheduler_side, settings
+from vasepatch.vllm import LOG, contracts, inactive, metrics, requirements, scheduler_side, settings
 from vasepatch.vllm import engine_access as access
 from vasepatch.vllm.worker_side import WorkerEviction
 
@@ -93,6 +99,12 @@ def install() -> None:
     _patch_front()
     _patch_scheduler()
     _patch_runner()
+    _patch_metrics()
+
+
+def active() -> bool:
+    """Whether the plugin's wraps are installed in this process (a supported vLLM, every contract holding)."""
+    return bool(_INSTALLED)
 
 
 def uninstall() -> None:
@@ -265,3 +277,30 @@ def _patch_runner() -> None:
     _wrap(GPUModelRunner, "_prepare_inputs", prepare_inputs)
     _wrap(GPUModelRunner, "_on_request_state_removed", removed)
     _wrap(CPUAttentionBackendImpl, "forward", forward)
+
+
+def _patch_metrics() -> None:
+    """The metrics' way from the worker to the scheduler and on to the frontend (`metrics`)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def update_from_output(original):
+        def wrapper(self, scheduler_output, model_runner_output, *args, **kwargs):
+            states = metrics.before_update(self, model_runner_output)
+            outputs = original(self, scheduler_output, model_runner_output, *args, **kwargs)
+            metrics.after_update(self, outputs, states)
+            return outputs
+
+        return wrapper
+
+    def reported(original):  # execute_model (an empty step's output) and sample_tokens (every other step's)
+        def wrapper(self, *args, **kwargs):
+            output = original(self, *args, **kwargs)
+            return access.with_report(output, metrics.WORKER_ATTR, _worker(self).report)
+
+        return wrapper
+
+    _wrap(Scheduler, "update_from_output", update_from_output)
+    _wrap(GPUModelRunner, "execute_model", reported)
+    _wrap(GPUModelRunner, "sample_tokens", reported)
+    access.add_stats_field(metrics.STATS_FIELD)

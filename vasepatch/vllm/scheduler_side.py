@@ -35,7 +35,7 @@ from typing import Any
 from vasepatch.cache.footprint import blocks, held_at_most
 from vasepatch.cache.schedule import evict_now
 from vasepatch.config import VaSEConfig
-from vasepatch.vllm import LOG, requirements, settings
+from vasepatch.vllm import LOG, metrics, requirements, settings
 from vasepatch.vllm import engine_access as access
 
 STEP_ATTR = "vasepatch_step"  # the SchedulerOutput attribute the worker reads
@@ -73,6 +73,7 @@ class RequestState:
     # streaming-input session later counts what it generated as prompt, and those slots have been compacted)
     most: int | None = None  # the most slots it ever holds (`held_at_most`); None: it never evicts
     ringed: bool = False  # the workers hold its query rings: it runs (a preempted one's are freed, `preempted`)
+    evicted: int = 0  # positions evicted over its life, preemptions included (`metrics.request_result`)
 
     def reset(self) -> None:
         """Preempted: vLLM frees every block and recomputes the whole sequence, which then compresses
@@ -218,11 +219,14 @@ def plan(scheduler: Any) -> Step:
     rings.held = held
     early.sort(key=lambda e: e[0])
     pulled = spread([e[0] for e in early], per_step)
+    tally = metrics.tally_of(scheduler)
     for request, state, phys, keep in due + [e[1:] for e in early[:pulled]]:
         step.orders[access.request_id(request)] = Order(phys, state.dropped, state.rounds, state.pinned)
         state.dropped += phys - keep
+        state.evicted += phys - keep
         state.rounds += 1
-        access.free_tail(scheduler, access.request_id(request), keep)
+        freed = access.free_tail(scheduler, access.request_id(request), keep)
+        tally.evicted(metrics.policy_name(state.config), phys - keep, freed)
     return step
 
 

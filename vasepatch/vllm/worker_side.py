@@ -12,10 +12,12 @@ Per step, in order (`patches` calls these from vLLM's model runner and attention
 3. `record` (in the attention backend's `forward`, after RoPE): the planned queries go to the rings.
 4. `removed` (the request finished): its side state is freed. A preempted request's rings are freed at once
    (`before_update`), and given again when it resumes: its recompute records its queries anew.
+5. `report` (the step's output): each policy's compaction time and the rings' bytes, for the metrics (`metrics`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,7 @@ import torch
 
 from vasepatch import policies
 from vasepatch.config import VaSEConfig
-from vasepatch.vllm import compaction, paged_layout, settings
+from vasepatch.vllm import compaction, metrics, paged_layout, settings
 from vasepatch.vllm import engine_access as access
 from vasepatch.vllm.query_rings import QueryRings
 from vasepatch.vllm.scheduler_side import STEP_ATTR, Order, Step
@@ -48,6 +50,7 @@ class WorkerEviction:
         self.evictions = 0
         self.eviction_calls = 0  # one per request evicted alone, one per stacked chunk of requests
         self.generators_restored = 0  # seeded generators put back after a discarded sample (`patches`)
+        self.eviction_seconds: dict[str, float] = {}  # compaction time by policy since the last `report`
 
     def settings_of(self, runner: Any, req_id: str) -> _Request | None:
         if req_id not in self.requests:
@@ -101,11 +104,14 @@ class WorkerEviction:
         for key, members in groups.items():
             state = self.requests[members[0][0]]
             dues = [one for _, one in members]
+            start = time.perf_counter()  # the CPU backend's compaction runs synchronously: no device to wait for
             kept = self._compact(caches, isa, dues, state, alone=key[0] is None or len(dues) == 1)
             for (req_id, one), positions in zip(members, kept, strict=True):
                 self.requests[req_id].kept = positions
                 access.cut_blocks(runner, req_id, -(-(one.pinned + state.config.budget) // block_size))
                 self.evictions += 1
+            policy = metrics.policy_name(state.config)
+            self.eviction_seconds[policy] = self.eviction_seconds.get(policy, 0.0) + time.perf_counter() - start
 
     def _compact(
         self, caches: list[torch.Tensor], isa: str, dues: list[compaction.Due], state: _Request, alone: bool
@@ -155,3 +161,9 @@ class WorkerEviction:
     def removed(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
         self.rings.release(req_id)
+
+    def report(self) -> dict[str, Any]:
+        """What this step's output carries to the scheduler (`metrics.worker_report`); the times start over."""
+        report = metrics.worker_report(self.eviction_seconds, self.rings.nbytes)
+        self.eviction_seconds = {}
+        return report
