@@ -4,12 +4,13 @@ A sample drawn once and pasted into a page goes stale silently when the code cha
 randomness changed every seeded run's tokens). Each test here reads the command and its sample from the
 page, runs the command, and compares the deterministic parts: tokens, text and counters, not timings.
 
-Not tested here, because the run is too long for CI: the `vasepatch eval fidelity` sample of
-`docs/evaluation.md` (two minutes on SmolLM2 on the shared 2-core machine).
+Not tested here, because the run is long for CI: the `vasepatch eval fidelity` sample of
+`docs/evaluation.md` (45 s of CPU time on SmolLM2, 141-210 s on the busy 2-core machine).
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 from pathlib import Path
@@ -68,3 +69,31 @@ def test_the_compare_sample_of_getting_started_is_what_the_command_prints(smollm
     printed = capsys.readouterr().out.rstrip("\n").split("\n")
     start = next(i for i, line in enumerate(printed) if line.startswith("--- ") and "prompt tokens" in line)
     assert _without_timings(printed[start:]) == _without_timings(sample)
+
+
+def _landing_example() -> tuple[str, dict[str, int]]:
+    """The first ```python block of `docs/index.md` and the counters the paragraph after it says it prints."""
+    page = (DOCS / "index.md").read_text()
+    block = re.search(r"```python\n(.*?)```\n\n(It prints .*?)\n\n", page, re.DOTALL)
+    assert block, "docs/index.md: the landing example and its 'It prints ...' paragraph"
+    said = dict(re.findall(r"'(evictions|tokens_seen)': (\d+)", block[2]))
+    said["capacity"] = re.search(r"`'capacity'` of (\d+) slots", block[2])[1]
+    return block[1], {key: int(value) for key, value in said.items()}
+
+
+def test_the_landing_example_says_it_evicts():
+    code, said = _landing_example()
+    assert "vasepatch.patch(" in code and "print(handle.stats())" in code
+    assert said["evictions"] > 0 and said["tokens_seen"] > said["capacity"]
+
+
+@pytest.mark.slow
+def test_the_landing_example_prints_the_evictions_it_documents(smollm2, capsys, monkeypatch):
+    """`docs/index.md`'s first example evicts (issue 43: it once stopped at EOS before the cache filled, and
+    printed `'evictions': 0`), and prints the counters its paragraph quotes."""
+    code, said = _landing_example()
+    monkeypatch.setattr(models, "load", lambda name, **kwargs: smollm2)  # the session's SmolLM2, not a second copy
+    exec(compile(code, "docs/index.md", "exec"), {"__name__": "__docs__"})
+    stats = ast.literal_eval(capsys.readouterr().out.rstrip("\n").split("\n")[-1])
+    assert {key: stats[key] for key in said} == said
+    assert stats["capacity"] == stats["budget"] + stats["window"]
