@@ -5,7 +5,8 @@ Face directory, a `.gguf` file, or a Hugging Face Hub id (`org/name`, read from 
 local Hub cache, or downloaded unless `HF_HUB_OFFLINE=1`). GGUF files are dequantised
 by transformers (slow: about a minute per 100 MB of GGUF on a 2-core CPU, see
 `conversion_estimate`), so the result is cached once as safetensors under
-`$VASEPATCH_CACHE_DIR` (default `~/.cache/vasepatch`), keyed by the file's hash.
+`cache_dir()` (`$VASEPATCH_CACHE_DIR`, else `$XDG_CACHE_HOME/vasepatch`, else `~/.cache/vasepatch`), keyed by
+the file's hash.
 Loading from a local folder shows no progress bar (it takes about a second); the
 one-time GGUF conversion says so on stderr and keeps its own bar.
 
@@ -173,8 +174,15 @@ def available() -> list[str]:
 
 
 def cache_dir() -> Path:
-    """Where converted models are cached (`$VASEPATCH_CACHE_DIR` or `~/.cache/vasepatch`)."""
-    return Path(os.environ.get("VASEPATCH_CACHE_DIR") or Path.home() / ".cache" / "vasepatch")
+    """Where converted models are cached: `$VASEPATCH_CACHE_DIR`, else `$XDG_CACHE_HOME/vasepatch`, else
+    `~/.cache/vasepatch`, as the Hugging Face hub, pip and torch place theirs. An empty variable counts as
+    unset, and so does a relative `XDG_CACHE_HOME`, which the XDG base directory spec says to ignore."""
+    own = os.environ.get("VASEPATCH_CACHE_DIR")
+    if own:
+        return Path(own).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return base / "vasepatch"
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:

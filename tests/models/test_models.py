@@ -20,10 +20,38 @@ def test_local_directory_is_used_as_is(tmp_path):
 
 
 def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv("VASEPATCH_CACHE_DIR", str(tmp_path))
-    assert models.cache_dir() == tmp_path
+    """`$VASEPATCH_CACHE_DIR`, then `$XDG_CACHE_HOME/vasepatch`, then `~/.cache/vasepatch`; an empty variable or
+    a relative `XDG_CACHE_HOME` (invalid, says the XDG spec) is passed over."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("VASEPATCH_CACHE_DIR", str(tmp_path / "own"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.cache_dir() == tmp_path / "own"
+    monkeypatch.setenv("VASEPATCH_CACHE_DIR", "")
+    assert models.cache_dir() == tmp_path / "xdg" / "vasepatch"
     monkeypatch.delenv("VASEPATCH_CACHE_DIR")
-    assert models.cache_dir().parts[-2:] == (".cache", "vasepatch")
+    assert models.cache_dir() == tmp_path / "xdg" / "vasepatch"
+    for unset in ("", "relative/cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", unset)
+        assert models.cache_dir() == tmp_path / "home" / ".cache" / "vasepatch"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert models.cache_dir() == tmp_path / "home" / ".cache" / "vasepatch"
+    monkeypatch.setenv("VASEPATCH_CACHE_DIR", "~/models")
+    assert models.cache_dir() == tmp_path / "home" / "models"
+
+
+def test_a_conversion_goes_to_xdg_cache_home(tmp_path, monkeypatch):
+    """`resolve` converts into `cache_dir()`: with only `XDG_CACHE_HOME` set, under it."""
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"not really gguf")
+    monkeypatch.delenv("VASEPATCH_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+    def fake_convert(src, target):
+        target.mkdir(parents=True)
+        (target / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    assert models.resolve(gguf).parent == tmp_path / "xdg" / "vasepatch"
 
 
 def test_file_sha256(tmp_path):
