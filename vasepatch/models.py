@@ -3,7 +3,7 @@
 `load(name_or_path)` accepts a registered name (`available()`), a local Hugging
 Face directory, a `.gguf` file, or a Hugging Face Hub id (`org/name`, read from the
 local Hub cache, or downloaded unless `HF_HUB_OFFLINE=1`). GGUF files are dequantised
-by transformers (slow: about a minute per 100 MB of GGUF on a 2-core CPU, see
+by transformers (about 30 s per 100 MB of GGUF on a 2-core CPU, see
 `conversion_estimate`), so the result is cached once as safetensors under
 `cache_dir()` (`$VASEPATCH_CACHE_DIR`, else `$XDG_CACHE_HOME/vasepatch`, else `~/.cache/vasepatch`), keyed by
 the file's hash.
@@ -193,9 +193,11 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-CONVERSION_SECONDS_PER_MB = 0.6
-"""Seconds a GGUF conversion takes per MB of GGUF file on a 2-core CPU, measured: SmolLM2-135M (98 MB) in
-124 s with other jobs keeping the 2 cores busy (27 s of CPU time), Gemma 3 270M (253 MB) in 161 s."""
+CONVERSION_SECONDS_PER_MB = 0.3
+"""Seconds a GGUF conversion takes per MB of GGUF file on a 2-core CPU, measured with other jobs sharing the
+cores (load 2-4) by `time VASEPATCH_CACHE_DIR=$(mktemp -d) python -c 'import vasepatch.models as m;
+m.resolve("smollm2-135m")'`: SmolLM2-135M (98 MB) in 27-37 s (22-26 s of CPU time; 109 s once with the cores
+kept busy), Gemma 3 270M (253 MB, `"gemma3-270m"`) in 92-124 s (61-99 s of CPU time; 210 s once)."""
 
 
 def conversion_estimate(nbytes: int) -> str:
