@@ -10,6 +10,7 @@ have evicted, and the tokens are those of an engine with prefix caching off and 
 from __future__ import annotations
 
 import hashlib
+from types import SimpleNamespace
 
 import pytest
 
@@ -155,3 +156,46 @@ def test_a_recomputed_pinned_request_shares_no_block_past_its_prompt(smollm2_pat
     assert max(gaps) < 1e-3  # the cached blocks hold what computing them again gives, up to float rounding
     assert metrics["vllm:kv_cache_usage_perc"] == 0.0
     assert (state["requests"], state["ring_bytes"]) == (0, 0)
+
+
+@pytest.mark.parametrize("prompt_len", [64, 80, 100], ids=["on-a-boundary", "mid-block", "late-in-a-block"])
+def test_a_recompute_shares_its_prompts_full_blocks_and_not_the_block_holding_its_end(prompt_len):
+    """vLLM's own `KVCacheManager` with prefix caching (no engine): a full-cache request publishes the 6 full
+    blocks of a 200-token sequence; a pinned request with a `prompt_len` prefix of it, whose generated tokens so
+    far are the rest (a recompute after preemption), gets a hit of its prompt's full blocks only, the full-cache
+    request's own: not the block holding the prompt's end, where its compaction starts writing (it would rewrite
+    a block the cache shares). A full-cache request with the same sequence reads all 192 cached tokens."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    from vasepatch.vllm import patches, scheduler_side
+
+    patches.install()
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=41, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
+    manager = KVCacheManager(config, 4096, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=True)
+    sequence = [1 + (3 * j) % 500 for j in range(200)]
+    published = Request("published", sequence, SamplingParams(max_tokens=8), None, block_hasher=hasher)
+    manager.allocate_slots(published, len(sequence))
+    owner = manager.get_block_ids("published")[0]
+
+    def hit(request_id: str, extra: dict | None) -> tuple[int, list[int]]:
+        params = SamplingParams(max_tokens=300, extra_args=extra)
+        request = Request(request_id, sequence[:prompt_len], params, None, block_hasher=hasher)
+        engine = SimpleNamespace(
+            additional_config={}, cache_config=SimpleNamespace(enable_prefix_caching=True),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=256, long_prefill_token_threshold=0),
+        )  # fmt: skip
+        scheduler_side.state_of(request, SimpleNamespace(vllm_config=engine))  # as the scheduler first sees it
+        request.append_output_token_ids(sequence[prompt_len:])
+        blocks, tokens, *_ = manager.get_computed_blocks(request)
+        return tokens, blocks.get_block_ids()[0]
+
+    full = prompt_len // BLOCK
+    assert hit("pinned", {**ASKS, "vasepatch_prefill": "pin"}) == (full * BLOCK, owner[:full])
+    assert hit("full-cache", None) == (192, owner[:6])
