@@ -189,10 +189,13 @@ def test_a_request_preempted_in_the_step_that_planned_its_eviction_is_not_evicte
     eviction gives a block back, which the full-cache one, first in line, takes for its next token; the
     evicting one then has no block for its own, and vLLM preempts it in the same `schedule()`. That step orders
     no eviction of it: its blocks are freed (a worker carrying the order out would compact freed blocks, and
-    give it again the query rings the step has it free). No block is lost, and it resumes and evicts later."""
+    give it again the query rings the step has it free). No block is lost, and it resumes and evicts later. The
+    plugin's numbers (the scheduler's tally behind `/metrics`, the request's own result) count the evictions
+    carried out, not the one cancelled."""
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
+    from vasepatch.vllm import metrics
     from vasepatch.vllm.scheduler_side import STEP_ATTR
 
     block, budget, window, new = 16, 64, 16, 60
@@ -204,12 +207,13 @@ def test_a_request_preempted_in_the_step_that_planned_its_eviction_is_not_evicte
     ]
     for request in requests:
         scheduler.add_request(request)
-    steps = []  # (slots the evicting request held before the step, preempted, scheduled, orders)
+    steps, shipped = [], []  # (slots the evicting request held before the step, preempted, scheduled, orders)
     while scheduler.has_unfinished_requests() and len(steps) < 400:
         held = requests[1].num_computed_tokens
         output = scheduler.schedule()
-        scheduled = list(output.num_scheduled_tokens)
-        steps.append((held, set(output.preempted_req_ids), set(scheduled), set(getattr(output, STEP_ATTR).orders)))
+        scheduled, orders = list(output.num_scheduled_tokens), getattr(output, STEP_ATTR).orders
+        steps.append((held, set(output.preempted_req_ids), set(scheduled), set(orders)))
+        shipped += [order.n - budget for order in orders.values()]  # positions each shipped order evicts
         played = ModelRunnerOutput(
             req_ids=scheduled, req_id_to_index={r: i for i, r in enumerate(scheduled)},
             sampled_token_ids=[[7] for _ in scheduled],
@@ -222,6 +226,10 @@ def test_a_request_preempted_in_the_step_that_planned_its_eviction_is_not_evicte
     assert any("evicting" in orders for _, _, _, orders in steps[hit[0] + 1 :])  # it resumed and evicted again
     assert [r.num_output_tokens for r in requests] == [new, new] and all(r.is_finished() for r in requests)
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 10  # every block back, none twice
+    tally = metrics.tally_of(scheduler)  # never drained: no stats without log_stats
+    assert (dict(tally.evictions), dict(tally.evicted_tokens)) == ({"vase": len(shipped)}, {"vase": sum(shipped)})
+    result = metrics.request_result(requests[1].vasepatch)
+    assert (result["evictions"], result["evicted_tokens"]) == (len(shipped), sum(shipped))
 
 
 def record_preempted_and_evicted(worker) -> None:

@@ -27,6 +27,7 @@ With `prefill="pin"` the prompt's `pinned` slots are never evicted nor written: 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -231,11 +232,30 @@ def plan(scheduler: Any) -> Step:
 
 
 def finish(scheduler: Any, step: Step) -> Step:
-    """After `schedule()`: drop the orders of requests preempted meanwhile, attach every dropped count."""
+    """After `schedule()`: drop the orders of requests preempted meanwhile (and `plan`'s counts of them: they are
+    never carried out), attach every dropped count."""
     states = {access.request_id(r): getattr(r, "vasepatch", None) for r in access.running(scheduler)}
-    step.orders = {rid: o for rid, o in step.orders.items() if states.get(rid) is not None and states[rid].dropped}
+    kept = {rid: o for rid, o in step.orders.items() if states.get(rid) is not None and states[rid].dropped}
+    if len(kept) < len(step.orders):
+        uncount(scheduler, {rid: o for rid, o in step.orders.items() if rid not in kept})
+    step.orders = kept
     step.dropped = {rid: state.dropped for rid, state in states.items() if state is not None and state.dropped}
     return step
+
+
+def uncount(scheduler: Any, cancelled: dict[str, Order]) -> None:
+    """Take back what `plan` counted of orders that a preemption in the same `schedule()` cancelled (the request
+    waits again): the eviction, the positions it would have evicted and its round, in the scheduler's tally and
+    the request's own numbers. The tail blocks it gave back stay counted: the pool got them."""
+    tally = metrics.tally_of(scheduler)
+    for request in access.waiting(scheduler):
+        order, state = cancelled.get(access.request_id(request)), getattr(request, "vasepatch", None)
+        if order is None or state is None or state.config is None:
+            continue
+        tokens, policy = order.n - order.pinned - state.config.budget, metrics.policy_name(state.config)
+        state.rounds, state.evicted = state.rounds - 1, state.evicted - tokens
+        tally.evictions -= Counter({policy: 1})
+        tally.evicted_tokens -= Counter({policy: tokens})
 
 
 @contextmanager
