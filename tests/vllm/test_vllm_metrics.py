@@ -111,6 +111,35 @@ def drained(server: Server, seconds: float = 30) -> dict:
         time.sleep(0.5)
 
 
+def test_the_stats_field_travels_in_vllms_encoding_and_the_shared_empty_output_stays_as_it_is() -> None:
+    """No engine: the field added to `SchedulerStats` survives vLLM's msgpack round trip from the EngineCore to the
+    frontend (absent: None), and a report goes on a copy of vLLM's shared empty runner output."""
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from vasepatch.vllm import engine_access
+
+    engine_access.add_stats_field(metrics.STATS_FIELD)
+    engine_access.add_stats_field(metrics.STATS_FIELD)  # idempotent
+    tally = metrics.Tally()
+    tally.evicted("vase", 16, 1)
+    tally.worker(metrics.worker_report({"vase": 0.5}, 64), timed=True)
+    stats, plain = SchedulerStats(num_running_reqs=1), SchedulerStats(num_running_reqs=2)
+    setattr(stats, metrics.STATS_FIELD, tally.drain(["vase"]))
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+    got = decoder.decode(encoder.encode(EngineCoreOutputs(scheduler_stats=stats))).scheduler_stats
+    assert getattr(got, metrics.STATS_FIELD) == getattr(stats, metrics.STATS_FIELD) and got.num_running_reqs == 1
+    got = decoder.decode(encoder.encode(EngineCoreOutputs(scheduler_stats=plain))).scheduler_stats
+    assert getattr(got, metrics.STATS_FIELD) is None
+    reported = engine_access.with_report(EMPTY_MODEL_RUNNER_OUTPUT, metrics.WORKER_ATTR, lambda: {"ring_bytes": 0})
+    assert isinstance(reported, ModelRunnerOutput) and reported is not EMPTY_MODEL_RUNNER_OUTPUT
+    assert getattr(reported, metrics.WORKER_ATTR) == {"ring_bytes": 0}
+    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, metrics.WORKER_ATTR)
+    assert engine_access.with_report(None, metrics.WORKER_ATTR, lambda: 1 / 0) is None  # sampling follows: untouched
+
+
 def test_offline_the_same_series_through_get_metrics(smollm2_path: str) -> None:
     """First in the module: its engine is shut down before the server starts (one engine at a time)."""
     from vllm import SamplingParams
