@@ -239,7 +239,8 @@ class BaseForward:
             finally:
                 _in_step(cache, False)
                 PATCHED_CALL.reset(token)
-        warn_not_evicting(self.state, output_cache(output, cache))
+        if not isinstance(cache, VaSECache):  # the patch's own cache (every decode step) has nothing to warn of
+            warn_not_evicting(self.state, output_cache(output, cache))
         return output
 
 
