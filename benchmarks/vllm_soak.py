@@ -318,7 +318,7 @@ def soak(args: argparse.Namespace, model: str) -> tuple[dict[str, Any], Tally]:
 
     port = vllm_serve.free_port()
     log = args.out / "server.log"
-    figures: dict[str, Any] = {}
+    figures: dict[str, Any] = {"machine": vllm_serve.machine(argparse.Namespace(dtype="float32"), model)}
     with vllm_serve.server_process(server_command(args, model, port), port, log) as (url, proc):
         pid = proc.pid
         engines = engine_pids(pid)
@@ -391,6 +391,7 @@ def report(args: argparse.Namespace, argv: list[str], figures: dict[str, Any], t
     counts["failed"] = len(tally.failed)
     record = {
         "command": "python benchmarks/vllm_soak.py " + " ".join(argv),
+        "machine": figures.get("machine", ""),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "requests": tally.sent,
         **{k: v for k, v in counts.items() if k != "sent"},
@@ -422,7 +423,15 @@ def markdown(r: dict[str, Any]) -> str:
          f"{r['rss_after_warmup'] / mib:.0f} -> {r['rss_after_drain'] / mib:.0f} ({r['rss_growth']:+.1%})"),
         ("seeded requests replayed alone on a fresh server, same text", r["seeded_replays_same"]),
     ]  # fmt: skip
-    lines = [f"`{r['command']}`", "", "| | |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows), ""]
+    lines = [
+        f"`{r['command']}`",
+        "",
+        *([r["machine"], ""] if r.get("machine") else []),
+        "| | |",
+        "|---|---|",
+        *(f"| {a} | {b} |" for a, b in rows),
+        "",
+    ]
     lines += ["Series after the drain:", "", *(f"- `{k}` {v:g}" for k, v in sorted(r["series"].items())), ""]
     verdict = "passed" if not r["failed_checks"] else "FAILED: " + "; ".join(r["failed_checks"])
     return "\n".join([*lines, f"Soak {verdict}.", ""])
