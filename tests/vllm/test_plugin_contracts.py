@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.vllm.test_plugin_guards import _EngineArgs, _InputProcessor  # vLLM 0.32's two front-door classes, faked
 from vasepatch.vllm import contracts, patches
 from vasepatch.vllm.contracts import Contract
 
@@ -148,19 +149,6 @@ def test_the_table_names_only_classes_it_can_find_and_wraps_each_function_once()
 def test_which_versions_are_checked_and_which_are_the_one_written_for(version, same_minor, exact):
     assert contracts.same_minor(version) is same_minor
     assert contracts.exact(version) is exact and patches.supported(version) is exact
-
-
-class _EngineArgs:
-    def __init__(self, additional_config=None):
-        self.additional_config = additional_config
-
-    def create_engine_config(self):
-        return SimpleNamespace(additional_config=self.additional_config)
-
-
-class _InputProcessor:
-    def _validate_params(self, params):
-        return "validated"
 
 
 class _Scheduler:
