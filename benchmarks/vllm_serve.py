@@ -20,13 +20,21 @@ bounds what runs at once), `--prefix-caching` (default off: the random prompts s
 on the plugin keeps the prompt, `prefill="pin"`, which holds `prompt` more slots per request), and
 `--evictions-per-step` (the plugin's engine setting, unset by default).
 
-Recorded per run, from vLLM's benchmark result: output tok/s and its ratio to `full` at the same pool and
-rate, TTFT, TPOT and ITL at p50 and p99, the most requests open at once on the client's side (sent and not
-yet answered, vLLM's `max_concurrent_requests`; how many vLLM runs at once is in its server log), completed and
-failed requests, duration. And the steady state, from the server's own log: vLLM's engine logs its
+Recorded per run, from vLLM's benchmark result: output tok/s and its ratios to `full` and to `streaming` at
+the same pool and rate, TTFT, TPOT and ITL at p50 and p99, the most requests open at once on the client's side
+(sent and not yet answered, vLLM's `max_concurrent_requests`; how many vLLM runs at once is in its server
+log), completed and failed requests, duration. And the steady state, from the server's own log: vLLM's engine logs its
 generation tok/s and its running and waiting requests every 10 s; over the lines of a run logged while
 requests were waiting (the pool full, before the last wave drains), the mean tok/s and requests running
 (`steady_tok_s`, `steady_running`, and `steady_vs_full`). A run's last wave does not enter them.
+With `--itl-segments K`, also how the step time grows with the length generated: the median ITL in each of K
+equal stretches of the generated tokens, over every request (`itl_by_position`, from vLLM's per-request ITLs).
+W3, the paper's regime (long outputs) scaled to this machine:
+
+    .venv-vllm/bin/python benchmarks/vllm_serve.py --out docs/results/vllm-serve/w3-pool2 \\
+        --prompt-tokens 128 --gen-tokens 4096 --budget 1024 --window 128 --pools 2 --requests 6 \\
+        --rates inf --methods full,vase,streaming --warmups 1 --itl-segments 8
+
 Writes `results.json` (after every run: an interrupted run keeps what it measured) and `results.md` (the
 table, with the command) to `--out`. Requires the vLLM venv (docs/vllm.md, Install).
 """
@@ -73,6 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-caching", choices=("on", "off"), default="off")
     p.add_argument("--evictions-per-step", type=int, default=None, help="the engine's evictions_per_step (unset: none)")
     p.add_argument("--warmups", type=int, default=4)
+    p.add_argument(
+        "--itl-segments",
+        type=int,
+        default=0,
+        help="also record the median ITL over this many equal stretches of the generated tokens (0: not)",
+    )
     p.add_argument("--port", type=int, default=0, help="0: a free port")
     return p.parse_args(argv)
 
@@ -160,13 +174,30 @@ def bench(args: argparse.Namespace, url: str, model: str, method: str, rate: str
     argv += ["--random-range-ratio", "0", "--ignore-eos", "--num-prompts", str(prompts), "--seed", "0"]
     argv += ["--request-rate", rate, "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99"]
     argv += ["--temperature", "1", "--disable-tqdm", "--extra-body", json.dumps(settings_of(args, method))]
+    argv += ["--save-detailed"] if args.itl_segments else []
     result = serve.main(parser.parse_args(argv))
     keep = ("duration", "completed", "failed", "output_throughput", "max_concurrent_requests")
     summary = {k: result.get(k) for k in keep}
     for metric in METRICS:
         for p in ("50", "99"):
             summary[f"p{p}_{metric}_ms"] = result.get(f"p{p}_{metric}_ms")
+    if args.itl_segments:
+        summary["itl_by_position_ms"] = itl_by_position(result["itls"], args.itl_segments)
     return summary
+
+
+def itl_by_position(itls: list[list[float]], segments: int) -> list[float | None]:
+    """How the step time grows with the length generated: the median inter-token latency (ms) of every
+    request's tokens in each of `segments` equal stretches of the longest request's tokens (`itls`: vLLM's
+    per-request lists, in seconds; None for a stretch no request reached)."""
+    import statistics
+
+    longest = max((len(r) for r in itls), default=0)
+    stretches: list[list[float]] = [[] for _ in range(segments)]
+    for request in itls:
+        for i, seconds in enumerate(request):
+            stretches[i * segments // longest].append(1000 * seconds)
+    return [statistics.median(s) if s else None for s in stretches]
 
 
 def rotated(methods: list[str], k: int) -> list[str]:
@@ -247,9 +278,9 @@ def _installed(dist: str) -> bool:
 
 def save(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any]], where: str = "") -> None:
     for row in rows:
-        full = next((r for r in rows if r["method"] == "full" and r["pool_fits"] == row["pool_fits"]
-                     and r["rate"] == row["rate"]), None)  # fmt: skip
+        full, stream = _beside(rows, row, "full"), _beside(rows, row, "streaming")
         row["vs_full"] = None if full is None else row["output_throughput"] / full["output_throughput"]
+        row["vs_streaming"] = None if stream is None else row["output_throughput"] / stream["output_throughput"]
         mine, theirs = row.get("steady_tok_s"), None if full is None else full.get("steady_tok_s")
         row["steady_vs_full"] = None if mine is None or not theirs else mine / theirs
     command = "python benchmarks/vllm_serve.py " + " ".join(argv)
@@ -258,15 +289,38 @@ def save(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any]], 
     (args.out / "results.md").write_text(table(command, rows, where))
 
 
+def _beside(rows: list[dict[str, Any]], row: dict[str, Any], method: str) -> dict[str, Any] | None:
+    """The run of `method` at `row`'s pool and rate (the first, if several), or None."""
+    same = (r for r in rows if r["method"] == method and (r["pool_fits"], r["rate"]) == (row["pool_fits"], row["rate"]))
+    return next(same, None)
+
+
 def table(command: str, rows: list[dict[str, Any]], where: str = "") -> str:
-    head = "| pool | rate | method | out tok/s | vs full | steady tok/s (vs full; running) | requests open (max) |"
-    head += "".join(f" {m.upper()} p50 / p99 (ms) |" for m in METRICS)
-    lines = [f"`{command}`", "", *([where, ""] if where else []), head, "|" + "---|" * (7 + len(METRICS))]
+    head = "| pool | rate | method | out tok/s | vs full | vs streaming | steady tok/s (vs full; running) |"
+    head += " requests open (max) |" + "".join(f" {m.upper()} p50 / p99 (ms) |" for m in METRICS)
+    lines = [f"`{command}`", "", *([where, ""] if where else []), head, "|" + "---|" * (8 + len(METRICS))]
     for r in rows:
-        ratio = "" if r["vs_full"] is None else f"{r['vs_full']:.2f}x"
+        ratios = ["" if r.get(k) is None else f"{r[k]:.2f}x" for k in ("vs_full", "vs_streaming")]
         cells = [f"{r['pool_fits']} full ({r['pool_blocks']} blocks)", r["rate"], r["method"]]
-        cells += [f"{r['output_throughput']:.1f}", ratio, _steady(r), str(r["max_concurrent_requests"])]
+        cells += [f"{r['output_throughput']:.1f}", *ratios, _steady(r), str(r["max_concurrent_requests"])]
         cells += [f"{r[f'p50_{m}_ms']:.0f} / {r[f'p99_{m}_ms']:.0f}" for m in METRICS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n" + _growth(rows)
+
+
+def _growth(rows: list[dict[str, Any]]) -> str:
+    """The median ITL (ms) over equal stretches of the generated tokens, per run (`--itl-segments`)."""
+    shown = [r for r in rows if r.get("itl_by_position_ms")]
+    if not shown:
+        return ""
+    k = len(shown[0]["itl_by_position_ms"])
+    head = "| pool | rate | method |" + "".join(f" {i + 1}/{k} |" for i in range(k)) + " last / first |"
+    lines = ["", "Median ITL (ms) in each stretch of the generated tokens, first to last:", "", head]
+    lines.append("|" + "---|" * (k + 4))
+    for r in shown:
+        ms = r["itl_by_position_ms"]
+        cells = [f"{r['pool_fits']} full", r["rate"], r["method"], *("—" if m is None else f"{m:.0f}" for m in ms)]
+        cells.append(f"{ms[-1] / ms[0]:.2f}x" if ms[0] and ms[-1] else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

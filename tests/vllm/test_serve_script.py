@@ -69,7 +69,30 @@ def test_ratios_are_to_the_full_cache_at_the_same_pool_and_rate(serve, tmp_path)
     assert "\nSmolLM2, bfloat16, a CPU (2 CPUs), vLLM 0.32.0\n" in (tmp_path / "results.md").read_text()
     assert [r["vs_full"] for r in saved["runs"]] == [1.0, 2.4, 1.5, 1.0]
     assert saved["command"] == "python benchmarks/vllm_serve.py --out X"
-    assert "| 2 full (25 blocks) | inf | vase | 120.0 | 2.40x | — | 8 |" in (tmp_path / "results.md").read_text()
+    assert "| 2 full (25 blocks) | inf | vase | 120.0 | 2.40x |  | — | 8 |" in (tmp_path / "results.md").read_text()
+
+
+def test_ratios_to_streaming_and_the_itl_growth_table(serve, tmp_path):
+    args = serve.parse_args(["--out", str(tmp_path), "--itl-segments", "2"])
+    figures = {f"p{p}_{m}_ms": 1.0 for p in ("50", "99") for m in serve.METRICS}
+    rows = [
+        {"pool_fits": 2, "pool_blocks": 265, "rate": "inf", "method": m, "output_throughput": t,
+         "max_concurrent_requests": 6, "itl_by_position_ms": g, **figures}
+        for m, t, g in [("full", 40.0, [20.0, 50.0]), ("vase", 97.0, [30.0, 30.0]), ("streaming", 100.0, [28.0, 29.0])]
+    ]  # fmt: skip
+    serve.save(args, ["--out", "X"], rows, "")
+    saved = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [r["vs_streaming"] for r in saved] == [0.4, 0.97, 1.0]
+    text = (tmp_path / "results.md").read_text()
+    assert "| 2 full (265 blocks) | inf | vase | 97.0 | 2.42x | 0.97x | — | 6 |" in text
+    assert "| 2 full | inf | full | 20 | 50 | 2.50x |" in text and "| 2 full | inf | vase | 30 | 30 | 1.00x |" in text
+
+
+def test_the_itl_of_each_stretch_is_the_median_over_every_requests_tokens_there(serve):
+    itls = [[0.010, 0.020, 0.030, 0.040], [0.012, 0.100]]  # seconds; the second request stopped early
+    assert serve.itl_by_position(itls, 2) == pytest.approx([16.0, 35.0])  # ms: of 10, 12, 20, 100; of 30, 40
+    assert serve.itl_by_position(itls, 4) == pytest.approx([11.0, 60.0, 30.0, 40.0])
+    assert serve.itl_by_position([[0.01]], 3) == [10.0, None, None]
 
 
 def test_the_figure_groups_runs_by_workload_pool_and_rate(tmp_path):
