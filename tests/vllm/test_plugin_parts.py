@@ -4,6 +4,7 @@ modules beside this one."""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import hypothesis
@@ -446,6 +447,29 @@ def test_a_preempted_request_starts_over_and_physical_counts_slots():
     assert req.num_computed_tokens == 48
     req.vasepatch.reset()
     assert (req.vasepatch.dropped, req.vasepatch.prefilled) == (0, False)
+
+
+def test_the_preemption_line_counts_only_evictions_carried_out(caplog):
+    """A request preempted in the `schedule()` that planned its eviction never carries that order out: the log
+    line counts the evictions before it, and a request preempted at its first planned eviction logs none."""
+    req = _request("a", 10, {"vasepatch_budget": 40, "vasepatch_window": 8})
+    first = _request("b", 10, {"vasepatch_budget": 40, "vasepatch_window": 8})
+    scheduler, _ = _scheduler([req, first])
+    _decode(req, 48)
+    scheduler_side.finish(scheduler, scheduler_side.plan(scheduler))  # evicted once: 8 positions dropped
+    _decode(req, 56)
+    _decode(first, 48)
+    step = scheduler_side.plan(scheduler)  # both due: a's second eviction, b's first
+    assert set(step.orders) == {"a", "b"}
+    scheduler.running, scheduler.waiting = [], [req, first]
+    with caplog.at_level(logging.INFO, logger="vllm.vasepatch"):
+        scheduler_side.preempted(req)
+        scheduler_side.preempted(first)
+    assert scheduler_side.finish(scheduler, step).orders == {}
+    lines = [r.getMessage() for r in caplog.records if "preempted after" in r.getMessage()]
+    assert lines == ["vasepatch: request a preempted after 1 evictions (8 positions dropped): it is recomputed "
+                     "from its whole sequence, compressed as its chunks come"]  # fmt: skip
+    assert (req.vasepatch.rounds, req.vasepatch.pending, first.vasepatch.rounds) == (1, 0, 0)
 
 
 # --- the compaction ---------------------------------------------------------------------------------------------

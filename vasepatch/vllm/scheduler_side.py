@@ -75,6 +75,7 @@ class RequestState:
     most: int | None = None  # the most slots it ever holds (`held_at_most`); None: it never evicts
     ringed: bool = False  # the workers hold its query rings: it runs (a preempted one's are freed, `preempted`)
     evicted: int = 0  # positions evicted over its life, preemptions included (`metrics.request_result`)
+    pending: int = 0  # positions of an order this `schedule()` planned, not yet carried out (`finish` clears it)
 
     def reset(self) -> None:
         """Preempted: vLLM frees every block and recomputes the whole sequence, which then compresses
@@ -155,11 +156,12 @@ def preempted(request: Any) -> None:
     if state is None:
         return
     state.ringed = False
-    if state.dropped:
+    done, dropped = state.rounds - (state.pending > 0), state.dropped - state.pending  # an order it planned is off
+    if dropped:
         LOG.info(
             "vasepatch: request %s preempted after %d evictions (%d positions dropped): it is recomputed from its "
             "whole sequence, compressed as its chunks come",
-            access.request_id(request), state.rounds, state.dropped,
+            access.request_id(request), done, dropped,
         )  # fmt: skip
     state.reset()
 
@@ -225,6 +227,7 @@ def plan(scheduler: Any) -> Step:
         step.orders[access.request_id(request)] = Order(phys, state.dropped, state.rounds, state.pinned)
         state.dropped += phys - keep
         state.evicted += phys - keep
+        state.pending = phys - keep
         state.rounds += 1
         freed = access.free_tail(scheduler, access.request_id(request), keep)
         tally.evicted(metrics.policy_name(state.config), phys - keep, freed)
@@ -238,6 +241,9 @@ def finish(scheduler: Any, step: Step) -> Step:
     kept = {rid: o for rid, o in step.orders.items() if states.get(rid) is not None and states[rid].dropped}
     if len(kept) < len(step.orders):
         uncount(scheduler, {rid: o for rid, o in step.orders.items() if rid not in kept})
+    for state in states.values():
+        if state is not None:
+            state.pending = 0
     step.orders = kept
     step.dropped = {rid: state.dropped for rid, state in states.items() if state is not None and state.dropped}
     return step
@@ -253,7 +259,7 @@ def uncount(scheduler: Any, cancelled: dict[str, Order]) -> None:
         if order is None or state is None or state.config is None:
             continue
         tokens, policy = order.n - order.pinned - state.config.budget, metrics.policy_name(state.config)
-        state.rounds, state.evicted = state.rounds - 1, state.evicted - tokens
+        state.rounds, state.evicted, state.pending = state.rounds - 1, state.evicted - tokens, 0
         tally.evictions -= Counter({policy: 1})
         tally.evicted_tokens -= Counter({policy: tokens})
 
