@@ -11,8 +11,10 @@ block)` blocks each, plus vLLM's null block). Against it, for each request rate,
 `vllm.benchmarks.serve` (what `vllm bench serve` runs) with vLLM's random dataset (`--random-input-len`,
 `--random-output-len`, `--random-range-ratio 0`, `--ignore-eos`), one seed for all, each request carrying
 its method's settings in its body (`--extra-body '{"vllm_xargs": {"vasepatch_policy": ..., ...}}'`; `full`
-sends none). The methods' order rotates from one rate to the next. Each pool's server first serves a few
-warm-up requests that are not measured.
+sends none). The methods' order rotates from one rate to the next, and with `--repeats R` from one repeat to
+the next: each method runs R times per rate, its ratios are taken within its repeat, and the table ends with
+the medians over the repeats (run-to-run noise on a shared CPU is as large as the gaps between methods).
+Each pool's server first serves a few warm-up requests that are not measured.
 
 The server runs with vLLM's defaults but for: `--enforce-eager` (the plugin does not support CUDA graphs),
 the pool, `--max-model-len prompt + gen`, `--max-num-seqs --requests` (the pool, not the scheduler's cap,
@@ -23,8 +25,8 @@ on the plugin keeps the prompt, `prefill="pin"`, which holds `prompt` more slots
 Recorded per run, from vLLM's benchmark result: output tok/s and its ratios to `full` and to `streaming` at
 the same pool and rate, TTFT, TPOT and ITL at p50 and p99, the most requests open at once on the client's side
 (sent and not yet answered, vLLM's `max_concurrent_requests`; how many vLLM runs at once is in its server
-log), completed and failed requests, duration. And the steady state, from the server's own log: vLLM's engine logs its
-generation tok/s and its running and waiting requests every 10 s; over the lines of a run logged while
+log), completed and failed requests, duration. And the steady state, from the server's own log: vLLM's
+engine logs its generation tok/s and its running and waiting requests every 10 s; over the lines of a run logged while
 requests were waiting (the pool full, before the last wave drains), the mean tok/s and requests running
 (`steady_tok_s`, `steady_running`, and `steady_vs_full`). A run's last wave does not enter them.
 With `--itl-segments K`, also how the step time grows with the length generated: the median ITL in each of K
@@ -81,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-caching", choices=("on", "off"), default="off")
     p.add_argument("--evictions-per-step", type=int, default=None, help="the engine's evictions_per_step (unset: none)")
     p.add_argument("--warmups", type=int, default=4)
+    p.add_argument(
+        "--repeats", type=int, default=1, help="run every method this many times, the order rotated each time"
+    )
     p.add_argument(
         "--itl-segments",
         type=int,
@@ -219,9 +224,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
         with server(server_command(args, model, blocks, port), port, args.out / f"server-pool{fits}.log") as url:
             if args.warmups:
                 bench(args, url, model, methods[-1], "inf", args.warmups)
-            for i, rate in enumerate(rates):
+            for i, (repeat, rate) in enumerate((r, rate) for r in range(args.repeats) for rate in rates):
                 for method in rotated(methods, i):
                     row = {"pool_fits": fits, "pool_blocks": blocks, "rate": rate, "method": method}
+                    row["repeat"] = repeat
                     began = time.time()
                     row.update(bench(args, url, model, method, rate, args.requests))
                     row.update(steady(args.out / f"server-pool{fits}.log", began, time.time()))
@@ -290,9 +296,12 @@ def save(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any]], 
 
 
 def _beside(rows: list[dict[str, Any]], row: dict[str, Any], method: str) -> dict[str, Any] | None:
-    """The run of `method` at `row`'s pool and rate (the first, if several), or None."""
-    same = (r for r in rows if r["method"] == method and (r["pool_fits"], r["rate"]) == (row["pool_fits"], row["rate"]))
-    return next(same, None)
+    """The run of `method` at `row`'s pool, rate and repeat, or None."""
+    return next((r for r in rows if r["method"] == method and _where(r) == _where(row)), None)
+
+
+def _where(row: dict[str, Any]) -> tuple[Any, ...]:
+    return row["pool_fits"], row["rate"], row.get("repeat", 0)
 
 
 def table(command: str, rows: list[dict[str, Any]], where: str = "") -> str:
@@ -301,11 +310,41 @@ def table(command: str, rows: list[dict[str, Any]], where: str = "") -> str:
     lines = [f"`{command}`", "", *([where, ""] if where else []), head, "|" + "---|" * (8 + len(METRICS))]
     for r in rows:
         ratios = ["" if r.get(k) is None else f"{r[k]:.2f}x" for k in ("vs_full", "vs_streaming")]
-        cells = [f"{r['pool_fits']} full ({r['pool_blocks']} blocks)", r["rate"], r["method"]]
+        method = r["method"] + (f" #{r['repeat'] + 1}" if any(x.get("repeat") for x in rows) else "")
+        cells = [f"{r['pool_fits']} full ({r['pool_blocks']} blocks)", r["rate"], method]
         cells += [f"{r['output_throughput']:.1f}", *ratios, _steady(r), str(r["max_concurrent_requests"])]
         cells += [f"{r[f'p50_{m}_ms']:.0f} / {r[f'p99_{m}_ms']:.0f}" for m in METRICS]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n" + _growth(rows)
+    return "\n".join(lines) + "\n" + _growth(rows) + _medians(rows)
+
+
+def _medians(rows: list[dict[str, Any]]) -> str:
+    """Per pool, rate and method over its repeats (`--repeats`): the medians of tok/s, of the ratios taken
+    within each repeat, and of ITL p99 and its ratio to the full cache's in the same repeat."""
+    import statistics
+
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["pool_fits"], r["rate"], r["method"]), []).append(r)
+    if all(len(g) < 2 for g in groups.values()):
+        return ""
+
+    def median(runs: list[dict[str, Any]], value: Any) -> str:
+        found = [v for v in map(value, runs) if v is not None]
+        return f"{statistics.median(found):.2f}" if found else "—"
+
+    def itl_ratio(r: dict[str, Any]) -> float | None:
+        full = _beside(rows, r, "full")
+        return None if full is None else r["p99_itl_ms"] / full["p99_itl_ms"]
+
+    head = "| pool | rate | method | repeats | out tok/s | vs full | vs streaming | ITL p99 (ms) | ITL p99 vs full |"
+    lines = ["", "Medians over the repeats (ratios taken within each repeat):", "", head, "|" + "---|" * 9]
+    for (fits, rate, method), runs in groups.items():
+        cells = [f"{fits} full", rate, method, str(len(runs)), median(runs, lambda r: r["output_throughput"])]
+        cells += [median(runs, lambda r: r.get("vs_full")), median(runs, lambda r: r.get("vs_streaming"))]
+        cells += [median(runs, lambda r: r["p99_itl_ms"]), median(runs, itl_ratio)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _growth(rows: list[dict[str, Any]]) -> str:

@@ -184,3 +184,21 @@ def test_the_commands_the_docs_give_parse(serve):
         methods = args.methods.split(",")
         assert methods == ["full", "vase", "snapkv", "streaming"] or methods == ["full"]  # the bound: full alone
         assert args.rates in ("inf", "0.1", "0.03")
+
+
+def test_repeats_take_ratios_within_each_repeat_and_report_medians(serve, tmp_path):
+    args = serve.parse_args(["--out", str(tmp_path), "--repeats", "3"])
+    rows = []
+    for repeat, (full, vase, stream) in enumerate([(50.0, 120.0, 125.0), (40.0, 110.0, 100.0), (45.0, 99.0, 110.0)]):
+        for method, tok_s, p99 in [("full", full, 100.0), ("vase", vase, 140.0 + repeat), ("streaming", stream, 120.0)]:
+            figures = {f"p{p}_{m}_ms": 1.0 for p in ("50", "99") for m in serve.METRICS} | {"p99_itl_ms": p99}
+            rows.append({"pool_fits": 2, "pool_blocks": 25, "rate": "inf", "method": method, "repeat": repeat,
+                         "output_throughput": tok_s, "max_concurrent_requests": 8, **figures})  # fmt: skip
+    serve.save(args, ["--out", "X"], rows, "")
+    saved = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [round(r["vs_full"], 3) for r in saved if r["method"] == "vase"] == [2.4, 2.75, 2.2]
+    assert [round(r["vs_streaming"], 3) for r in saved if r["method"] == "vase"] == [0.96, 1.1, 0.9]
+    text = (tmp_path / "results.md").read_text()
+    assert "| 2 full (25 blocks) | inf | vase #2 | 110.0 | 2.75x | 1.10x |" in text
+    assert "| 2 full | inf | vase | 3 | 110.00 | 2.40 | 0.96 | 141.00 | 1.41 |" in text
+    assert [serve.rotated(["full", "vase", "streaming"], k)[0] for k in range(3)] == ["full", "vase", "streaming"]
