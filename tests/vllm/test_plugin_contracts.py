@@ -255,3 +255,27 @@ def test_another_minor_is_inert_without_consulting_the_contracts(fake_vllm, capl
     lines = _install(fake_vllm, "0.33.0", caplog)
     assert fake_vllm.applied == [] and len(lines) == 1
     assert "inactive: it supports vLLM 0.32.0, found 0.33.0" in lines[0]
+
+
+# --- the contracts command and the table's coverage (mutation check, issue 40) ---------------------------------
+
+
+def test_a_signature_that_cannot_be_read_is_written_as_a_question_mark():
+    assert contracts.parameters(42) == "?"  # not callable: inspect.signature raises TypeError
+
+
+def test_the_report_checks_each_contract_with_the_resolver_it_is_given():
+    """`report(contracts, resolve)` checks against the classes `resolve` gives (here the fakes), not vLLM's."""
+    holds = Contract("_Manager.get_computed_blocks", "self, request", ("_Manager.truncate(self, blocks, "
+                     "num_computed_tokens, *, strict=)",))  # fmt: skip
+    lines, broken = contracts.report([holds], _resolve)
+    assert broken == 0 and lines == ["OK       _Manager.get_computed_blocks(self, request) and 1 uses"]
+
+
+def test_the_contracts_command_names_a_vllm_without_a_version_unknown(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # no __version__
+    monkeypatch.setattr(contracts, "CONTRACTS", ())
+    assert contracts.main() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("vasepatch's vLLM plugin, written for vLLM 0.32.0; found vLLM unknown: 0 contracts")
+    assert out[-1] == "verdict at install: inert: unknown is not a 0.32.x release (contracts not consulted)"

@@ -327,3 +327,118 @@ def test_the_worker_takes_the_requests_sampling_seed_as_its_eviction_seed():
     sp = SimpleNamespace(extra_args={"vasepatch_budget": 64, "vasepatch_window": 16, "vasepatch_seed": 3}, seed=7)
     runner.requests["own"] = SimpleNamespace(sampling_params=sp)
     assert worker.settings_of(runner, "own").config.seed == 3
+
+
+# --- found by the mutation check (issue 40): the guards' edges ---------------------------------------------------
+
+
+def test_another_vllm_passes_a_request_whose_params_have_no_extra_args(fake_vllm):
+    """Pooling requests' params have no `extra_args` at all: the inert plugin's request guard lets them through."""
+    patches.install()
+    assert _InputProcessor()._validate_params(SimpleNamespace()) == "validated"
+
+
+def test_a_vllm_without_a_version_is_named_unknown_and_left_inert(fake_vllm, monkeypatch, caplog):
+    monkeypatch.delattr(fake_vllm["vllm"], "__version__")
+    with caplog.at_level(logging.WARNING, logger="vllm.vasepatch"):
+        patches.install()
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.vasepatch"]
+    assert len(lines) == 1 and "inactive: it supports vLLM 0.32.0, found unknown." in lines[0]
+
+
+def test_the_active_engine_check_passes_vllms_keyword_arguments_on(monkeypatch):
+    """vLLM's server calls `create_engine_config(usage_context=...)` by keyword (its defaults depend on it): the
+    plugin's wrapper hands every argument on to vLLM's own function."""
+    seen = []
+
+    class EngineArgs:
+        def create_engine_config(self, usage_context=None, headless=False):
+            seen.append((usage_context, headless))
+            return SimpleNamespace(additional_config={})
+
+    modules = {name: types.ModuleType(name) for name in ("vllm.engine.arg_utils", "vllm.exceptions",
+               "vllm.sampling_params", "vllm.v1.engine.input_processor")}  # fmt: skip
+    modules["vllm.engine.arg_utils"].EngineArgs = EngineArgs
+    modules["vllm.exceptions"].VLLMValidationError = ValueError
+    modules["vllm.sampling_params"].SamplingParams = SimpleNamespace
+    modules["vllm.v1.engine.input_processor"].InputProcessor = _InputProcessor
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(requirements, "check_engine", lambda config: None)
+    monkeypatch.setattr(requirements, "log_active", lambda config: None)
+    patches.uninstall()
+    try:
+        patches._patch_front()
+        EngineArgs().create_engine_config("server-positional")
+        EngineArgs().create_engine_config(usage_context="server", headless=True)
+    finally:
+        patches.uninstall()
+    assert seen == [("server-positional", False), ("server", True)]
+
+
+def test_a_layout_the_plugin_cannot_read_is_refused_naming_the_ones_it_can(monkeypatch):
+    monkeypatch.setattr(requirements.access, "attention_isa", lambda config: "neon")
+    config = SimpleNamespace(
+        device_config=SimpleNamespace(device_type="cpu"),
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
+        model_config=SimpleNamespace(dtype=torch.float32),
+    )
+    (found,) = requirements._layout_problems(config)
+    assert "its 'neon' cache layout" in found and "reads only its x86 layouts (vec, vec16, amx)" in found
+
+
+def test_a_request_asking_for_eviction_on_an_engine_without_settings_is_checked_against_the_engine(monkeypatch):
+    """An engine that started without VaSE settings was not checked for eviction then: the first request asking
+    for it is, and refused with what rules it out."""
+    monkeypatch.setattr(requirements, "problems", lambda config: ["speculative decoding is on: leave it unset"])
+    with pytest.raises(settings.SettingsError, match="engine cannot do as set: speculative decoding is on"):
+        requirements.check_request(
+            _engine(), SimpleNamespace(extra_args={"vasepatch_budget": 64, "vasepatch_window": 16}, seed=None)
+        )
+    requirements.check_request(_engine(), SimpleNamespace(extra_args={}, seed=None))  # no eviction asked: fine
+
+
+def test_a_window_over_the_rings_limit_names_the_limit_in_mib():
+    engine = _engine({"vasepatch": {"max_ring_mib": 0.5}})  # 2,048 window tokens of 256 bytes
+    found = requirements.config_problems(engine, VaSEConfig(budget=4096, window=2049))
+    assert "window=2049 needs 0.5 MiB of query rings per rank, over this engine's limit of 0.5 MiB" in found["window"]
+
+
+def test_a_window_cap_of_one_token_is_a_positive_integer():
+    caps = settings.engine_limits({"vasepatch": {"max_request_window": 1, "max_request_budget": 1}}, 4096)
+    assert (caps.budget, caps.window) == (1, 1)
+
+
+def test_an_error_naming_no_given_setting_is_the_engines_when_the_request_gave_none():
+    assert settings._blame("budget must be positive", {}, {}) == settings.ENGINE_WHERE
+    assert settings._blame("budget must be positive", {"window": 8}, {}) == settings.REQUEST_PREFIX + "budget"
+
+
+def test_the_info_line_gives_a_requests_rings_at_the_window_cap_in_mib(smollm2_path):
+    """SmolLM2 in float32 records 67.5 KiB of queries per window token: 33.8 MiB at the window cap of 512."""
+    pytest.importorskip("vllm", reason="needs the real vLLM (the vLLM venv)")
+    from tests.vllm.test_vllm_guards import _engine_config
+
+    line = requirements.active_line(_engine_config(smollm2_path, {"budget": 64, "window": 16}))
+    assert "67.5 KiB per window token of an evicting request, at most 33.8 MiB per request at the window cap" in line
+
+
+def test_on_the_vllm_written_for_every_contracts_function_is_wrapped():
+    """Every function of the table is wrapped, not merely some: a wrap that silently finds nothing to wrap (vLLM
+    moved the function, or the owner is wrong) is a missing patch. Needs the real vLLM 0.32.0. Kept last, with the
+    info line's test, in the last of these modules whose fakes of vLLM the real one's modules would shadow."""
+    from vasepatch.vllm import contracts
+
+    vllm = pytest.importorskip("vllm", reason="needs the real vLLM (the vLLM venv)")
+    if not contracts.exact(vllm.__version__):
+        pytest.skip(f"written for vLLM {contracts.WRITTEN_FOR}, found {vllm.__version__}")
+    had = bool(patches._INSTALLED)
+    patches.uninstall()
+    try:
+        patches.install()
+        wrapped = [f"{owner.__name__}.{name}" for owner, name, _ in patches._INSTALLED]
+    finally:
+        patches.uninstall()
+        if had:
+            patches.install()
+    assert sorted(wrapped) == sorted(c.function for c in contracts.CONTRACTS)

@@ -169,3 +169,50 @@ def test_the_worker_reports_its_times_once_and_its_rings_bytes():
 @pytest.mark.parametrize("policy", ["vase", len])
 def test_the_policy_label_is_a_name(policy):
     assert metrics.policy_name(SimpleNamespace(policy=policy)) == ("vase" if policy == "vase" else "len")
+
+
+# --- found by the mutation check (issue 40) --------------------------------------------------------------------
+
+
+def test_the_stats_count_the_running_requests_that_evict_by_policy():
+    req = _request("a", 50, {"vasepatch_budget": 40, "vasepatch_window": 8})
+    full = _request("b", 50, None)
+    scheduler, manager = _scheduler([req, full], 16)
+    scheduler.log_stats = True
+    manager.req_to_blocks = {"a": list(range(4)), "b": list(range(4))}
+    _decode(req, 50)
+    _decode(full, 50)
+    scheduler_side.plan(scheduler)
+    report = metrics.worker_report({}, 0)
+    states = metrics.before_update(scheduler, SimpleNamespace(**{metrics.WORKER_ATTR: report}))
+    stats = SimpleNamespace()
+    metrics.after_update(scheduler, {0: SimpleNamespace(outputs=[], scheduler_stats=stats)}, states)
+    assert getattr(stats, metrics.STATS_FIELD)["requests_evicting"] == {"vase": 1}  # both still run; one evicts
+
+
+def test_every_series_has_a_sentence_for_its_help_text():
+    docs = {}
+
+    def metric(name, documentation, labelnames, **options):
+        docs[name] = documentation
+        return _Metric(name, documentation, labelnames, **options)
+
+    metrics.Series(["model_name", "engine"], {0: ["m", "0"]}, metric, metric, metric)
+    assert len(docs) == 6 and all(d[0].isupper() and d.endswith(".") for d in docs.values()), docs
+    assert (
+        docs["vllm:vasepatch_num_requests_evicting"]
+        == "Running requests that evict (vasepatch settings with a budget)."
+    )
+
+
+def test_the_stat_logger_labels_each_engine_and_records_the_plugins_field():
+    from vasepatch.vllm import stat_logger
+
+    config = SimpleNamespace(model_config=SimpleNamespace(served_model_name="m"))
+    logger = stat_logger.VaSEStatLogger(config, [0, 1])
+    assert logger.per_engine == {0: ["m", "0"], 1: ["m", "1"]}
+    logger.active, logger.series = True, _series(engines=(0, 1))  # the test doubles, not prometheus_client's
+    tally = metrics.Tally()
+    tally.evicted("vase", 16, 1)
+    logger.record(SimpleNamespace(**{metrics.STATS_FIELD: tally.drain([])}), None, engine_idx=1)
+    assert logger.series.counters["evictions"].children[("m", "1", "vase")].value == 1

@@ -5,6 +5,8 @@ modules beside this one."""
 from __future__ import annotations
 
 import logging
+import sys
+import types
 from types import SimpleNamespace
 
 import hypothesis
@@ -18,7 +20,7 @@ from vasepatch.config import VaSEConfig
 from vasepatch.policies import scoring
 from vasepatch.policies.base import Policy, kept_slots
 from vasepatch.policies.keyed import KeyedGenerator, draws_keyed_noise
-from vasepatch.vllm import compaction, engine_access, paged_layout, scheduler_side, settings
+from vasepatch.vllm import compaction, engine_access, metrics, paged_layout, patches, scheduler_side, settings
 from vasepatch.vllm.query_rings import QueryRings
 from vasepatch.vllm.worker_side import WorkerEviction
 
@@ -818,3 +820,184 @@ def test_every_discarded_sample_is_undone_the_last_batch_row_included():
     with engine_access.generators_hidden(runner, list(engine_access.discarded_generators(runner))):
         assert sorted(batch.generators) == [0]
     assert sorted(batch.generators) == [0, 1, 3]
+
+
+# --- found by the mutation check (issue 40) --------------------------------------------------------------------
+
+
+def test_a_request_preempted_after_an_eviction_carried_out_counts_it(caplog):
+    req = _request("a", 10, {"vasepatch_budget": 40, "vasepatch_window": 8})
+    scheduler, _ = _scheduler([req])
+    _decode(req, 48)
+    scheduler_side.finish(scheduler, scheduler_side.plan(scheduler))  # evicted once, and carried out
+    with caplog.at_level(logging.INFO, logger="vllm.vasepatch"):
+        scheduler_side.preempted(req)
+    lines = [r.getMessage() for r in caplog.records if "preempted after" in r.getMessage()]
+    assert len(lines) == 1 and "request a preempted after 1 evictions (8 positions dropped)" in lines[0]
+
+
+def test_the_worker_resolves_a_requests_settings_with_the_engines_prefix_caching():
+    """With prefix caching on, a request that names no prefill mode pins its prompt, on the worker as on the
+    scheduler (`settings.default_prefill`)."""
+    runner = _worker_runner([3, 4], {"vasepatch_budget": 64, "vasepatch_window": 16}, 16)
+    runner.vllm_config.cache_config.enable_prefix_caching = True
+    assert WorkerEviction().settings_of(runner, "a").config.prefill == "pin"
+
+
+def _one_eviction(worker: WorkerEviction) -> WorkerEviction:
+    """One request (budget 64, window 16, blocks of 16) due, planned by the scheduler and carried out by `worker`."""
+    budget, window, bs = 64, 16, 16
+    extra = {"vasepatch_budget": budget, "vasepatch_window": window}
+    held = budget + window
+    blocks = list(range(3, 3 + -(-held // bs)))
+    req = _request("a", 20, extra)
+    scheduler, manager = _scheduler([req], bs)
+    manager.req_to_blocks = {"a": list(blocks)}
+    _decode(req, held)
+    step = scheduler_side.finish(scheduler, scheduler_side.plan(scheduler))
+    runner = _worker_runner(list(blocks), extra, bs)
+    worker.settings_of(runner, "a")
+    worker.rings.plan(["a"], [0], [window], [held - window])
+    for layer in runner.compilation_config.static_forward_context:
+        worker.record(layer, torch.randn(window, 2, 16), window)
+    worker.before_update(runner, SimpleNamespace(vasepatch_step=step, preempted_req_ids=set()))
+    return worker
+
+
+def test_a_request_that_does_not_stack_is_evicted_alone(monkeypatch):
+    monkeypatch.setattr(compaction, "stack_key", lambda *args: None)  # as for a user's policy
+    worker = _one_eviction(WorkerEviction())
+    assert (worker.evictions, worker.eviction_calls) == (1, 1)
+
+
+def test_a_steps_eviction_seconds_add_up_per_policy():
+    worker = WorkerEviction()
+    worker.eviction_seconds = {"vase": 5.0}  # an earlier group of this step
+    _one_eviction(worker)
+    assert worker.eviction_seconds["vase"] > 5.0
+
+
+def test_a_stacked_eviction_reads_the_runners_cache_layout(monkeypatch):
+    """The stacked call gets the layout the runner's cache is in (`amx` differs from `vec` and `vec16`)."""
+    caches, dues, configs, _, _ = _stack_case("vase", torch.float32, pins=False)
+    seen = []
+
+    def stacked(caches, chunk, config, policy, head_offset=0, isa="vec"):
+        seen.append(isa)
+        return [torch.zeros(0)] * len(chunk)
+
+    monkeypatch.setattr(compaction, "compact_stacked", stacked)
+    state = SimpleNamespace(config=configs[0], policy=policies.for_config(configs[0]))
+    WorkerEviction()._compact(caches, "amx", dues, state, alone=False)
+    assert seen == ["amx"]
+
+
+class _Worker:
+    """A stand-in for the worker's `WorkerEviction`: records what the wraps hand it."""
+
+    def __init__(self, rank, heads):
+        self.seen, self.generators_restored = [], 0
+        self.rings = SimpleNamespace(clear_plan=lambda: None)
+
+    def before_update(self, runner, scheduler_output):
+        self.seen.append(("before_update", scheduler_output))
+
+    def after_prepare(self, runner, num_scheduled_tokens):
+        self.seen.append(("after_prepare", num_scheduled_tokens))
+
+    def removed(self, req_id):
+        self.seen.append(("removed", req_id))
+
+    def record(self, layer, query, num_tokens):
+        self.seen.append(("record", layer, num_tokens))
+
+    def report(self):
+        return "report"
+
+
+def _fake_runner_modules(monkeypatch, calls):
+    """vLLM's model runner, CPU attention and scheduler classes, faked: each records the arguments it gets."""
+
+    def method(name):
+        return lambda self, *args, **kwargs: calls.append((name, args, kwargs)) or name
+
+    runner = type("GPUModelRunner", (), {n: method(n) for n in ("_update_states", "_prepare_inputs", "_sample",
+                  "_on_request_state_removed", "_bookkeeping_sync", "execute_model", "sample_tokens")})  # fmt: skip
+    runner.model_config = SimpleNamespace(get_num_kv_heads=lambda parallel: 2)
+    runner.parallel_config = None
+    attention = type("CPUAttentionBackendImpl", (), {"forward": method("forward")})
+    scheduler = type("Scheduler", (), {"update_from_output": method("update_from_output")})
+    found = {"vllm.v1.worker.gpu_model_runner": {"GPUModelRunner": runner},
+             "vllm.v1.attention.backends.cpu_attn": {"CPUAttentionBackendImpl": attention},
+             "vllm.v1.core.sched.scheduler": {"Scheduler": scheduler},
+             "vllm.distributed": {"get_tensor_model_parallel_rank": lambda: 0}}  # fmt: skip
+    for name, attrs in found.items():
+        module = types.ModuleType(name)
+        vars(module).update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(patches, "WorkerEviction", _Worker)
+    monkeypatch.setattr(engine_access, "add_stats_field", lambda name: None)
+    monkeypatch.setattr(engine_access, "with_report", lambda output, attr, report: (output, report()))
+    monkeypatch.setattr(patches, "_CURRENT", None)
+    return runner, attention, scheduler
+
+
+def test_the_workers_wraps_hand_every_argument_on_and_keep_one_worker_state(monkeypatch):
+    """Each wrap of the model runner and the CPU attention calls vLLM's function with all its arguments (by
+    position and by keyword), and every wrap of one runner talks to the same worker state."""
+    calls = []
+    runner_class, attention_class, _ = _fake_runner_modules(monkeypatch, calls)
+    patches.uninstall()
+    try:
+        patches._patch_runner()
+        patches._patch_metrics()
+        runner = runner_class()
+        assert runner._update_states("out", 1, k=2) == "_update_states"
+        assert runner._prepare_inputs("out", "tokens", k=3) == "_prepare_inputs"
+        runner._on_request_state_removed("r", "state", k=4)
+        meta = SimpleNamespace(num_actual_tokens=5)
+        layer = SimpleNamespace(layer_name="l0")
+        attention_class().forward(layer, "q", "k", "v", "cache", meta, k=6)
+        assert runner.sample_tokens("grammar", k=7) == ("sample_tokens", "report")
+        assert runner.execute_model("out", "tensors", k=8) == ("execute_model", "report")
+    finally:
+        patches.uninstall()
+    assert calls == [
+        ("_update_states", ("out", 1), {"k": 2}),
+        ("_prepare_inputs", ("out", "tokens"), {"k": 3}),
+        ("_on_request_state_removed", ("r", "state"), {"k": 4}),
+        ("forward", (layer, "q", "k", "v", "cache", meta), {"k": 6}),
+        ("sample_tokens", ("grammar",), {"k": 7}),
+        ("execute_model", ("out", "tensors"), {"k": 8}),
+    ]
+    seen = [("before_update", "out"), ("after_prepare", "tokens"), ("removed", "r"), ("record", "l0", 5)]
+    assert runner.vasepatch.seen == seen
+
+
+def test_the_schedulers_output_wrap_hands_the_states_taken_before_the_update_to_after_it(monkeypatch):
+    calls, seen = [], []
+    _, _, scheduler_class = _fake_runner_modules(monkeypatch, calls)
+    monkeypatch.setattr(metrics, "before_update", lambda scheduler, output: {"a": "state"})
+    monkeypatch.setattr(metrics, "after_update", lambda scheduler, outputs, states: seen.append((outputs, states)))
+    patches.uninstall()
+    try:
+        patches._patch_metrics()
+        assert scheduler_class().update_from_output("sched", "runner_out", k=1) == "update_from_output"
+    finally:
+        patches.uninstall()
+    assert calls == [("update_from_output", ("sched", "runner_out"), {"k": 1})]
+    assert seen == [("update_from_output", {"a": "state"})]
+
+
+def test_the_worker_makes_the_batch_physical_only_where_a_request_has_dropped_positions(monkeypatch):
+    made = []
+    monkeypatch.setattr(engine_access, "make_physical", lambda runner, dropped, tokens: made.append(list(dropped)))
+    runner = _worker_runner([3, 4, 5], {"vasepatch_budget": 64, "vasepatch_window": 16}, 16)
+    runner.input_batch.req_ids, runner.input_batch.num_reqs = ["a"], 1
+    runner.input_batch.num_computed_tokens_cpu = np.array([70])
+    runner.query_start_loc = SimpleNamespace(np=np.array([0, 1]))
+    worker = WorkerEviction()
+    worker.after_prepare(runner, np.array([1]))  # nothing dropped yet: the batch stays as vLLM made it
+    worker.dropped = {"a": 16}
+    worker.after_prepare(runner, np.array([1]))
+    assert made == [[16]]
