@@ -531,3 +531,55 @@ def test_patch_landing_between_two_layers_of_a_running_forward(make_model):
     assert "value" in boxes[0], boxes[0]
     assert torch.equal(out, ref)
     boxes[0]["value"].remove()
+
+
+def test_setting_the_attention_implementation_keeps_the_patch_and_changes_its_own_path():
+    """`set_attn_implementation` sets every config of the model, the patch's private copy included: the patch
+    keeps its kernel, and the new implementation is what its own path (a call without a vasepatch cache) runs;
+    `unpatch` leaves the model with the implementation last set."""
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama", attn="eager")
+    ids = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    handle = vasepatch.patch(model, budget=16, window=4, seed=0)
+    before = _generate(model, ids, mask)
+    model.set_attn_implementation("sdpa")
+    private = model.model.config
+    assert private._attn_implementation == attention.ATTN_IMPLEMENTATION
+    assert getattr(private, attention.ORIGINAL_ATTR) == "sdpa"
+    assert torch.equal(_generate(model, ids, mask), before) and handle.stats()["evictions"] > 0
+    vasepatch.unpatch(model)
+    assert model.model.config._attn_implementation == "sdpa" and "set_attn_implementation" not in model.__dict__
+
+
+def test_continuous_batching_leaves_the_patch_as_it_found_it():
+    """`generate_batch` on a patched `eager` model switches the model's attention to a paged one and back on
+    `stop()`, through `set_attn_implementation`: its tokens are the unpatched model's (it evicts nothing), and the
+    patched `generate` afterwards still evicts and gives the tokens it gave before."""
+    from tests.tiny_models import tiny_model
+
+    cb_config = pytest.importorskip("transformers.generation.configuration_utils").__dict__.get(
+        "ContinuousBatchingConfig"
+    )
+    if cb_config is None:
+        pytest.skip("this transformers has no ContinuousBatchingConfig")
+    model = tiny_model("llama", attn="eager")
+    prompt = torch.randint(1, VOCAB, (10,), generator=torch.Generator().manual_seed(1)).tolist()
+    config = transformers.GenerationConfig(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+    settings = dict(generation_config=config, continuous_batching_config=cb_config(page_size=16, num_blocks=16,
+                    max_batch_tokens=64), warmup=False)  # fmt: skip
+
+    def batch():
+        return [o.generated_tokens for o in model.generate_batch([prompt], **settings).values()]
+
+    unpatched = batch()
+    handle = vasepatch.patch(model, budget=16, window=4, seed=0)
+    ids = torch.tensor([prompt])
+    before = model.generate(ids, generation_config=config)
+    evictions = handle.stats()["evictions"]
+    with pytest.warns(vasepatch.NoEvictionWarning):
+        assert batch() == unpatched
+    assert model.model.config._attn_implementation == attention.ATTN_IMPLEMENTATION
+    assert torch.equal(model.generate(ids, generation_config=config), before)
+    assert evictions > 0 and handle.stats()["evictions"] == evictions  # the last generate's

@@ -13,6 +13,9 @@ A patch changes only the given model *instance*:
 - the decoder stack's `forward` and `generate` are wrapped to check a vasepatch
   call before any work and to count the calls in flight (`unpatch` refuses while
   one runs in another thread);
+- `set_attn_implementation` is wrapped so that the private config keeps `"vasepatch"` (transformers
+  would set the new implementation on it too, as continuous batching does): the implementation set
+  becomes the one the patch's own path runs;
 - a forward hook finishes each step on the host (counters, eviction) when the
   forward ran compiled, and `get_compiled_call` / `create_masks_for_generate`
   are overridden so that generate's own compilation of the decode step compiles
@@ -58,6 +61,7 @@ from vasepatch.integration.wrappers import (
     GenerateCall,
     PatchState,
     PrepareCache,
+    SetAttnImplementation,
     register,
 )
 from vasepatch.kernels import backends
@@ -233,6 +237,9 @@ def _apply(model: torch.nn.Module, layout: ModelLayout, state: PatchState) -> No
     set_instance_attr(model, "generate", GenerateCall(model, state, model.__dict__.get("generate", MISSING)), undo)
     previous = model.__dict__.get("_prepare_cache_for_generation", MISSING)
     set_instance_attr(model, "_prepare_cache_for_generation", PrepareCache(model, handle, previous), undo)
+    for owner in {id(m): m for m in (model, base)}.values():  # the model and its decoder stack, where they differ
+        previous = owner.__dict__.get("set_attn_implementation", MISSING)
+        set_instance_attr(owner, "set_attn_implementation", SetAttnImplementation(owner, private, previous), undo)
     install_compile_support(model, undo)
 
 

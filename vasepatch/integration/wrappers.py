@@ -388,6 +388,26 @@ class PrepareCache:
         return original(generation_config, model_kwargs, *args, **kwargs)
 
 
+class SetAttnImplementation:
+    """`set_attn_implementation` on a patched model. Transformers sets the new implementation on every config of
+    the model, the patch's private copy included, which would turn the patch's kernel off with nothing said:
+    continuous batching (`generate_batch`) does it for an `eager` model, and sets the old one back on `stop()`,
+    after which `generate` would attend over a vasepatch cache with transformers' own kernel and give wrong
+    tokens. The new implementation becomes what the patched model runs where it does not evict (its own path,
+    `attention.ORIGINAL_ATTR`), and the private config keeps `"vasepatch"`."""
+
+    def __init__(self, model: torch.nn.Module, private: Any, previous: Any) -> None:
+        self.model, self.private, self.previous = model, private, previous
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = original_method(self.model, "set_attn_implementation", self.previous)(*args, **kwargs)
+        chosen = self.private.__dict__.get("_attn_implementation_internal")
+        if chosen != attention.ATTN_IMPLEMENTATION:
+            self.private.__dict__[attention.ORIGINAL_ATTR] = chosen
+            self.private.__dict__["_attn_implementation_internal"] = attention.ATTN_IMPLEMENTATION
+        return result
+
+
 def input_length(model_kwargs: dict[str, Any], generation_config: Any) -> int | None:
     """The length of generate's input: its 2-D mask, or, where transformers dropped an all-ones mask
     (5.24 and later), the length it recorded (`_mask_length`), or the input embeddings'."""
