@@ -366,7 +366,8 @@ def test_the_active_engine_check_passes_vllms_keyword_arguments_on(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(requirements, "check_engine", lambda config: None)
     monkeypatch.setattr(requirements, "log_active", lambda config: None)
-    patches.uninstall()
+    monkeypatch.setattr(patches, "_INSTALLED", [])  # the process's own wraps (vLLM's, if any) stay as they are
+    monkeypatch.setattr(patches, "_INACTIVE", [])
     try:
         patches._patch_front()
         EngineArgs().create_engine_config("server-positional")
@@ -423,7 +424,7 @@ def test_the_info_line_gives_a_requests_rings_at_the_window_cap_in_mib(smollm2_p
     assert "67.5 KiB per window token of an evicting request, at most 33.8 MiB per request at the window cap" in line
 
 
-def test_on_the_vllm_written_for_every_contracts_function_is_wrapped():
+def test_on_the_vllm_written_for_every_contracts_function_is_wrapped(monkeypatch):
     """Every function of the table is wrapped, not merely some: a wrap that silently finds nothing to wrap (vLLM
     moved the function, or the owner is wrong) is a missing patch. Needs the real vLLM 0.32.0. Kept last, with the
     info line's test, in the last of these modules whose fakes of vLLM the real one's modules would shadow."""
@@ -432,13 +433,12 @@ def test_on_the_vllm_written_for_every_contracts_function_is_wrapped():
     vllm = pytest.importorskip("vllm", reason="needs the real vLLM (the vLLM venv)")
     if not contracts.exact(vllm.__version__):
         pytest.skip(f"written for vLLM {contracts.WRITTEN_FOR}, found {vllm.__version__}")
-    had = bool(patches._INSTALLED)
-    patches.uninstall()
+    monkeypatch.setattr(patches, "_INSTALLED", [])  # a fresh install, undone after: the process's stays as it is
+    monkeypatch.setattr(patches, "_INACTIVE", [])
+    monkeypatch.setattr(patches.access, "add_stats_field", lambda name: None)  # vLLM's SchedulerStats untouched
     try:
         patches.install()
         wrapped = [f"{owner.__name__}.{name}" for owner, name, _ in patches._INSTALLED]
     finally:
         patches.uninstall()
-        if had:
-            patches.install()
     assert sorted(wrapped) == sorted(c.function for c in contracts.CONTRACTS)

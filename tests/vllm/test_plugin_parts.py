@@ -939,6 +939,8 @@ def _fake_runner_modules(monkeypatch, calls):
     monkeypatch.setattr(engine_access, "add_stats_field", lambda name: None)
     monkeypatch.setattr(engine_access, "with_report", lambda output, attr, report: (output, report()))
     monkeypatch.setattr(patches, "_CURRENT", None)
+    monkeypatch.setattr(patches, "_INSTALLED", [])  # the process's own wraps (vLLM's, if any) stay as they are
+    monkeypatch.setattr(patches, "_INACTIVE", [])
     return runner, attention, scheduler
 
 
@@ -947,7 +949,6 @@ def test_the_workers_wraps_hand_every_argument_on_and_keep_one_worker_state(monk
     position and by keyword), and every wrap of one runner talks to the same worker state."""
     calls = []
     runner_class, attention_class, _ = _fake_runner_modules(monkeypatch, calls)
-    patches.uninstall()
     try:
         patches._patch_runner()
         patches._patch_metrics()
@@ -961,7 +962,7 @@ def test_the_workers_wraps_hand_every_argument_on_and_keep_one_worker_state(monk
         assert runner.sample_tokens("grammar", k=7) == ("sample_tokens", "report")
         assert runner.execute_model("out", "tensors", k=8) == ("execute_model", "report")
     finally:
-        patches.uninstall()
+        patches.uninstall()  # the fakes' wraps only
     assert calls == [
         ("_update_states", ("out", 1), {"k": 2}),
         ("_prepare_inputs", ("out", "tokens"), {"k": 3}),
@@ -979,12 +980,11 @@ def test_the_schedulers_output_wrap_hands_the_states_taken_before_the_update_to_
     _, _, scheduler_class = _fake_runner_modules(monkeypatch, calls)
     monkeypatch.setattr(metrics, "before_update", lambda scheduler, output: {"a": "state"})
     monkeypatch.setattr(metrics, "after_update", lambda scheduler, outputs, states: seen.append((outputs, states)))
-    patches.uninstall()
     try:
         patches._patch_metrics()
         assert scheduler_class().update_from_output("sched", "runner_out", k=1) == "update_from_output"
     finally:
-        patches.uninstall()
+        patches.uninstall()  # the fakes' wraps only
     assert calls == [("update_from_output", ("sched", "runner_out"), {"k": 1})]
     assert seen == [("update_from_output", {"a": "state"})]
 
