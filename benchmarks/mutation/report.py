@@ -1,7 +1,7 @@
 """Sample the mutants and write the score and survivors of a mutmut run (used by `run.sh`).
 
     python benchmarks/mutation/report.py sample --every K
-    python benchmarks/mutation/report.py report --every K --runtime S --out DIR
+    python benchmarks/mutation/report.py report --every K --runtime S --out DIR [--target plugin]
 
 Run from the root of the snapshot that mutmut ran in (it reads `mutants/**/*.meta`
 and calls `mutmut results` / `mutmut show`, which read `setup.cfg` there).
@@ -11,9 +11,9 @@ and calls `mutmut results` / `mutmut show`, which read `setup.cfg` there).
 
 `report` writes `summary.json` (counts, score, command) and `survivors.md` (each
 surviving mutant's diff and its verdict from `verdicts.txt` beside this script,
-`unclassified` where there is none). The score is killed / (killed + survived +
-timeout) over the mutants checked; mutants that no selected test reaches ("no tests") and
-those not checked (a run stopped early) are counted apart.
+`unclassified` where there is none; both targets' verdicts are there, keyed by mutant name).
+The score is killed / (killed + survived + timeout) over the mutants checked; mutants that no
+selected test reaches ("no tests") and those not checked (a run stopped early) are counted apart.
 """
 
 from __future__ import annotations
@@ -55,7 +55,13 @@ def verdicts() -> dict[str, str]:
     return {name.strip(): verdict.strip() for name, verdict in rows}
 
 
-def summarize(every: int, runtime_s: float, tested: dict[str, str], total: int) -> dict:
+def command(target: str, every: int) -> str:
+    """The run.sh command line that makes this target's results."""
+    prefix = "" if target == "core" else f"TARGET={target} "
+    return f"{prefix}bash benchmarks/mutation/run.sh {every}"
+
+
+def summarize(every: int, runtime_s: float, tested: dict[str, str], total: int, target: str = "core") -> dict:
     counts: dict[str, int] = {}
     for status in tested.values():
         counts[status] = counts.get(status, 0) + 1
@@ -63,7 +69,7 @@ def summarize(every: int, runtime_s: float, tested: dict[str, str], total: int) 
     version = subprocess.run([str(MUTMUT), "--version"], capture_output=True, text=True).stdout.strip()
     return {
         "tool": version,
-        "command": f"bash benchmarks/mutation/run.sh {every}",
+        "command": command(target, every),
         "date": datetime.date.today().isoformat(),
         "mutants_total": total,
         "sample_every": every,
@@ -90,10 +96,10 @@ def survivors_md(summary: dict, not_killed: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def report(every: int, runtime_s: float, out: Path) -> None:
+def report(every: int, runtime_s: float, out: Path, target: str = "core") -> None:
     chosen = set(sample(every))
     tested = {name: status for name, status in statuses().items() if name in chosen}
-    summary = summarize(every, runtime_s, tested, len(all_mutants()))
+    summary = summarize(every, runtime_s, tested, len(all_mutants()), target)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     not_killed = {n: s for n, s in sorted(tested.items()) if s not in ("killed", "not checked")}
@@ -107,6 +113,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=20, help="test every K-th mutant")
     parser.add_argument("--runtime", type=float, default=0.0, help="seconds the mutant run took")
     parser.add_argument("--out", type=Path, help="where `report` writes summary.json and survivors.md")
+    parser.add_argument("--target", choices=("core", "plugin"), default="core", help="run.sh's TARGET")
     args = parser.parse_args()
     if args.every < 1:
         parser.error("--every must be >= 1")
@@ -115,7 +122,7 @@ def main() -> None:
     else:
         if args.out is None:
             parser.error("report needs --out")
-        report(args.every, args.runtime, args.out)
+        report(args.every, args.runtime, args.out, args.target)
 
 
 if __name__ == "__main__":
