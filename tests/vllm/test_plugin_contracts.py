@@ -178,9 +178,10 @@ def fake_vllm(monkeypatch):
     patches themselves are recorded, not applied; the contracts are one, on the fake scheduler."""
     patches.uninstall()
     names = ["vllm", "vllm.engine", "vllm.engine.arg_utils", "vllm.v1", "vllm.v1.engine", "vllm.v1.core",
-             "vllm.v1.engine.input_processor", "vllm.v1.core.sched", "vllm.v1.core.sched.scheduler"]  # fmt: skip
-    modules = {name: types.ModuleType(name) for name in names}
-    modules["vllm.engine.arg_utils"].EngineArgs = _EngineArgs
+             "vllm.v1.engine.input_processor", "vllm.v1.core.sched", "vllm.v1.core.sched.scheduler",
+             "vllm.exceptions"]  # fmt: skip
+    modules = {name: types.ModuleType(name) for name in names}  # `vllm.exceptions` without VLLMValidationError:
+    modules["vllm.engine.arg_utils"].EngineArgs = _EngineArgs  # the plugin's refusals are then ValueErrors
     modules["vllm.v1.engine.input_processor"].InputProcessor = _InputProcessor
     modules["vllm.v1.core.sched.scheduler"].Scheduler = _Scheduler
     for name, module in modules.items():

@@ -360,7 +360,12 @@ def test_a_prompt_is_compressed_between_its_chunks(budget, window, prompt, chunk
     assert max(between) <= pinned + budget + window
     assert max(during) <= req.vasepatch.most == pinned + budget + window + max(chunks)
     assert between[-1] >= min(prompt, pinned + budget)  # never below the budget
-    assert (req.vasepatch.dropped > 0) == (not pin and prompt > budget)
+    if pin or prompt <= budget:
+        assert req.vasepatch.dropped == 0
+    elif prompt >= budget + window:
+        assert req.vasepatch.dropped > 0  # the chunk that reached budget + window was evicted
+    # in between, it depends on the chunks, as in the transformers cache: a prompt prefilled at once is compressed
+    # at its first step, while one fed a token at a time holds its budget + window like a decode and evicts none
 
 
 def test_a_chunked_prompt_evicts_when_the_transformers_cache_fed_the_same_chunks_does():

@@ -161,3 +161,11 @@ def test_the_info_line_says_what_the_engine_will_do(smollm2_path, tmp_path):
                          "non-full-attention layers: only full attention works")  # fmt: skip
     line = requirements.active_line(_engine_config(smollm2_path, {"request_settings": False}))
     assert "this engine never evicts" in line and "'request_settings' true" in line
+
+
+def test_the_info_line_gives_a_requests_rings_at_the_window_cap_in_mib(smollm2_path):
+    """SmolLM2 in float32 records 67.5 KiB of queries per window token: 33.8 MiB at the window cap of 512."""
+    from vasepatch.vllm import requirements
+
+    line = requirements.active_line(_engine_config(smollm2_path, {"budget": 64, "window": 16}))
+    assert "67.5 KiB per window token of an evicting request, at most 33.8 MiB per request at the window cap" in line
