@@ -124,8 +124,9 @@ def test_the_plan_counts_each_order_with_the_blocks_it_gave_back():
     assert metrics.request_result(full.vasepatch) is None
 
 
-def test_update_from_output_takes_the_workers_report_and_gives_stats_and_results():
-    budget, window = 40, 8
+def _planned_step(budget: int, window: int, report: dict):
+    """A `vase` request ("a", planned to evict its 50-token prompt to `budget`) and a full-cache one ("b"), both
+    decoding; `plan` ran and the worker's `report` came back. Returns the scheduler and the states to update."""
     req = _request("a", 50, {"vasepatch_budget": budget, "vasepatch_window": window})
     full = _request("b", 50, None)
     scheduler, manager = _scheduler([req, full], 16)
@@ -134,8 +135,12 @@ def test_update_from_output_takes_the_workers_report_and_gives_stats_and_results
     _decode(req, 50)
     _decode(full, 50)
     scheduler_side.plan(scheduler)
-    report = metrics.worker_report({"vase": 0.5}, 123)
-    states = metrics.before_update(scheduler, SimpleNamespace(**{metrics.WORKER_ATTR: report}))
+    return scheduler, metrics.before_update(scheduler, SimpleNamespace(**{metrics.WORKER_ATTR: report}))
+
+
+def test_update_from_output_takes_the_workers_report_and_gives_stats_and_results():
+    budget, window = 40, 8
+    scheduler, states = _planned_step(budget, window, metrics.worker_report({"vase": 0.5}, 123))
     scheduler.running = []  # both finish at this step
     stats = SimpleNamespace()
     done = [SimpleNamespace(request_id=r, finish_reason="length", kv_transfer_params=None) for r in "ab"]
@@ -175,16 +180,7 @@ def test_the_policy_label_is_a_name(policy):
 
 
 def test_the_stats_count_the_running_requests_that_evict_by_policy():
-    req = _request("a", 50, {"vasepatch_budget": 40, "vasepatch_window": 8})
-    full = _request("b", 50, None)
-    scheduler, manager = _scheduler([req, full], 16)
-    scheduler.log_stats = True
-    manager.req_to_blocks = {"a": list(range(4)), "b": list(range(4))}
-    _decode(req, 50)
-    _decode(full, 50)
-    scheduler_side.plan(scheduler)
-    report = metrics.worker_report({}, 0)
-    states = metrics.before_update(scheduler, SimpleNamespace(**{metrics.WORKER_ATTR: report}))
+    scheduler, states = _planned_step(40, 8, metrics.worker_report({}, 0))
     stats = SimpleNamespace()
     metrics.after_update(scheduler, {0: SimpleNamespace(outputs=[], scheduler_stats=stats)}, states)
     assert getattr(stats, metrics.STATS_FIELD)["requests_evicting"] == {"vase": 1}  # both still run; one evicts
