@@ -727,6 +727,7 @@ def test_a_large_group_is_stacked_in_chunks_that_keep_the_same(monkeypatch):
     in three calls and keep, byte for byte, what one call per request keeps."""
     caches, dues, configs, alone, want = _stack_case("vase", torch.float32, pins=False)
     per_request = 3 * 2 * (20 + 4) * 32 * 4  # layers, KV heads, slots read, K and V of head size 16, float32
+    assert compaction.read_bytes(dues[0], caches) == per_request
     assert [len(c) for c in compaction.chunks(dues, caches)] == [3]
     monkeypatch.setattr(compaction, "STACK_BYTES", per_request * 2 - 1)
     parts = compaction.chunks(dues, caches)
@@ -873,6 +874,30 @@ def test_a_request_that_does_not_stack_is_evicted_alone(monkeypatch):
     monkeypatch.setattr(compaction, "stack_key", lambda *args: None)  # as for a user's policy
     worker = _one_eviction(WorkerEviction())
     assert (worker.evictions, worker.eviction_calls) == (1, 1)
+
+
+def test_a_request_due_alone_is_evicted_in_one_call_for_all_its_layers(monkeypatch):
+    """One stackable request due at a step goes through `compact_stacked`: all layers in one policy call, which
+    keeps what `compact` keeps a layer at a time (`test_a_large_group_is_stacked_in_chunks_that_keep_the_same`
+    checks it for a chunk of one request)."""
+    calls = []
+    stacked = compaction.compact_stacked
+    monkeypatch.setattr(compaction, "compact", lambda *a, **k: calls.append("by layer"))
+    monkeypatch.setattr(compaction, "compact_stacked", lambda *a, **k: calls.append("stacked") or stacked(*a, **k))
+    worker = _one_eviction(WorkerEviction())
+    assert calls == ["stacked"] and (worker.evictions, worker.eviction_calls) == (1, 1)
+
+
+def test_a_request_too_large_to_stack_is_evicted_a_layer_at_a_time(monkeypatch):
+    """A request that reads more than `STACK_BYTES` in all its layers goes a layer at a time (`compact`), so that
+    the temporaries of its eviction stay those of one layer."""
+    calls = []
+    by_layer = compaction.compact
+    monkeypatch.setattr(compaction, "STACK_BYTES", 1024)
+    monkeypatch.setattr(compaction, "compact", lambda *a, **k: calls.append("by layer") or by_layer(*a, **k))
+    monkeypatch.setattr(compaction, "compact_stacked", lambda *a, **k: calls.append("stacked"))
+    worker = _one_eviction(WorkerEviction())
+    assert calls == ["by layer"] and (worker.evictions, worker.eviction_calls) == (1, 1)
 
 
 def test_a_steps_eviction_seconds_add_up_per_policy():

@@ -123,14 +123,19 @@ def stack_key(config: VaSEConfig, policy: Policy, due: Due, block_size: int) -> 
     return (repr(policy), id(policy.priority), policy.check_output, *shape)
 
 
+def read_bytes(due: Due, caches: Sequence[torch.Tensor]) -> int:
+    """The keys and values a stacked call reads for `due`: every layer's slots from its first written block on."""
+    heads, block_size, two_d = caches[0].shape[1:]
+    m = due.pinned % block_size + due.n - due.pinned
+    return len(caches) * heads * m * two_d * caches[0].element_size()
+
+
 def chunks(dues: Sequence[Due], caches: Sequence[torch.Tensor]) -> list[list[Due]]:
     """`dues` (of one `stack_key`) in runs of at most `STACK_BYTES` of keys and values read (at least one
     request each), so that a stacked call's temporaries stay bounded however many requests are due at once.
-    Rows are independent: a chunk keeps what the whole group would."""
-    heads, block_size, two_d = caches[0].shape[1:]
-    m = dues[0].pinned % block_size + dues[0].n - dues[0].pinned
-    per_request = len(caches) * heads * m * two_d * caches[0].element_size()
-    size = max(1, STACK_BYTES // per_request)
+    Rows are independent: a chunk keeps what the whole group would. A request that reads more than
+    `STACK_BYTES` alone is a chunk of its own, which the worker evicts a layer at a time (`compact`)."""
+    size = max(1, STACK_BYTES // read_bytes(dues[0], caches))
     return [list(dues[i : i + size]) for i in range(0, len(dues), size)]
 
 

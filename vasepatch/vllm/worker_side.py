@@ -105,7 +105,7 @@ class WorkerEviction:
             state = self.requests[members[0][0]]
             dues = [one for _, one in members]
             start = time.perf_counter()  # the CPU backend's compaction runs synchronously: no device to wait for
-            kept = self._compact(caches, isa, dues, state, alone=key[0] is None or len(dues) == 1)
+            kept = self._compact(caches, isa, dues, state, alone=key[0] is None)
             for (req_id, one), positions in zip(members, kept, strict=True):
                 self.requests[req_id].kept = positions
                 access.cut_blocks(runner, req_id, -(-(one.pinned + state.config.budget) // block_size))
@@ -116,31 +116,29 @@ class WorkerEviction:
     def _compact(
         self, caches: list[torch.Tensor], isa: str, dues: list[compaction.Due], state: _Request, alone: bool
     ) -> list[torch.Tensor]:
-        """Each request alone (`compaction.compact`), or the group stacked, a chunk per call."""
+        """Each request alone, a layer at a time (`compaction.compact`), or the group stacked, all its layers in one
+        call per chunk (a request alone too: one call for its layers is shorter than one per layer), but for a
+        request that reads more than `compaction.STACK_BYTES` alone, which goes a layer at a time."""
         config, policy = state.config, state.policy
         if alone:
-            self.eviction_calls += len(dues)
-            return [
-                compaction.compact(
-                    caches,
-                    d.blocks,
-                    d.n,
-                    d.queries,
-                    d.positions,
-                    config,
-                    policy,
-                    d.round,
-                    head_offset=self.head_offset,
-                    pinned=d.pinned,
-                    isa=isa,
-                )
-                for d in dues
-            ]
+            return [self._by_layer(caches, isa, d, config, policy) for d in dues]
         kept = []
         for chunk in compaction.chunks(dues, caches):
+            if len(chunk) == 1 and compaction.read_bytes(chunk[0], caches) > compaction.STACK_BYTES:
+                kept.append(self._by_layer(caches, isa, chunk[0], config, policy))
+                continue
             kept += compaction.compact_stacked(caches, chunk, config, policy, self.head_offset, isa)
             self.eviction_calls += 1
         return kept
+
+    def _by_layer(
+        self, caches: list[torch.Tensor], isa: str, d: compaction.Due, config: VaSEConfig, policy: policies.Policy
+    ) -> torch.Tensor:
+        self.eviction_calls += 1
+        return compaction.compact(
+            caches, d.blocks, d.n, d.queries, d.positions, config, policy, d.round,
+            head_offset=self.head_offset, pinned=d.pinned, isa=isa,
+        )  # fmt: skip
 
     def after_prepare(self, runner: Any, num_scheduled_tokens: np.ndarray) -> None:
         req_ids, starts, computed = access.batch_rows(runner)
