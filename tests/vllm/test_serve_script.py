@@ -182,7 +182,7 @@ def test_the_commands_the_docs_give_parse(serve):
         words = shlex.split(line[line.index("benchmarks/vllm_serve.py") :])[1:]
         args = serve.parse_args(words)
         methods = args.methods.split(",")
-        assert methods[0] == "full" and set(methods) <= {"full", "vase", "snapkv", "streaming"}  # ratios to full
+        assert methods and set(methods) <= {"full", "vase", "snapkv", "streaming"}
         assert args.rates in ("inf", "0.1", "0.03")
 
 
