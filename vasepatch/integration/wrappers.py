@@ -402,6 +402,11 @@ class SetAttnImplementation:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         result = original_method(self.model, "set_attn_implementation", self.previous)(*args, **kwargs)
         chosen = self.private.__dict__.get("_attn_implementation_internal")
+        own = self.model.__dict__.get("config")
+        if chosen == attention.ATTN_IMPLEMENTATION and own is not None and own is not self.private:
+            # older transformers (5.0) skips a submodel whose config has the called model's config class, so only
+            # the called model's own config holds the new implementation
+            chosen = own.__dict__.get("_attn_implementation_internal", chosen)
         if chosen != attention.ATTN_IMPLEMENTATION:
             self.private.__dict__[attention.ORIGINAL_ATTR] = chosen
             self.private.__dict__["_attn_implementation_internal"] = attention.ATTN_IMPLEMENTATION
