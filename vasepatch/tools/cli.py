@@ -25,6 +25,7 @@ errors are `ValueError`s; a path that cannot be read or written raises one of th
 COMMANDS = {
     ("demo",): ("vasepatch.tools.demo", "run", "generate with VaSE on SmolLM2 and compare with the full cache"),
     ("generate",): ("vasepatch.tools.generate", "run", "stream a model's answer through the VaSE cache"),
+    ("calibrate",): ("vasepatch.tools.calibrate", "run", "query statistics for the triattention policy"),
     ("eval", "fidelity"): ("vasepatch.eval.fidelity", "main", "KL / top-1 agreement / loops vs full cache"),
     ("eval", "task"): ("vasepatch.eval.task", "main", "accuracy on GSM8K / MATH-500 / AIME25, or pass-key"),
     ("bench",): ("vasepatch.bench.cli", "main", "decode throughput and memory: dense, static, vasepatch"),
