@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -14,11 +16,21 @@ class LayerPlan:
       included (a sliding-window layer); `None` for a global layer.
     - `head_offset`: the global index of the first KV head this process holds (tensor
       parallelism shards the heads; 0 on one device).
+    - `kv_heads`: the layer's KV heads over all processes (0: those this process holds, all of them on one
+      device).
     """
 
     index: int
     sliding_window: int | None = None
     head_offset: int = 0
+    kv_heads: int = 0
+
+    def head_ids(self, local_heads: int, batch: int, device: torch.device) -> torch.Tensor:
+        """`[batch, local_heads]` int64: the policies' `head_ids` of this process's heads of the layer,
+        `index * kv_heads + head_offset + h`."""
+        total = self.kv_heads or local_heads
+        ids = torch.arange(local_heads, device=device) + (self.index * total + self.head_offset)
+        return ids.expand(batch, local_heads)
 
 
 def default_plans(num_layers: int) -> tuple[LayerPlan, ...]:

@@ -107,10 +107,14 @@ def sharding(model: torch.nn.Module, layout: ModelLayout) -> Sharding:
 
 
 def with_head_offsets(layout: ModelLayout, shard: Sharding) -> ModelLayout:
-    """`layout` whose layer plans carry the global index of this process's first KV head."""
-    if shard.head_offset == 0 and not layout.plans:
+    """`layout` whose layer plans carry the global index of this process's first KV head, and the KV heads of
+    all processes."""
+    if shard.world_size == 1 and not layout.plans:
         return layout
-    plans = tuple(dataclasses.replace(p, head_offset=shard.head_offset) for p in layout.layer_plans())
+    plans = tuple(
+        dataclasses.replace(p, head_offset=shard.head_offset, kv_heads=shard.total_kv_heads)
+        for p in layout.layer_plans()
+    )
     return dataclasses.replace(layout, plans=plans)
 
 

@@ -10,6 +10,10 @@ inputs it reads, out of `INPUTS`; its keyword-only parameters are its options
   `Hq` a multiple of `Hkv` (query heads `h*G .. h*G+G-1` share KV head `h`).
 - `positions`: `[B, Hkv, N]` int64 absolute positions (first real token = 0).
 - `valid`: `[B, Hkv, N]` bool, False for padding and empty slots.
+- `head_ids`: `[B, Hkv]` int64, which (layer, KV head) each row's heads are: `layer * K + h` with `K` the
+  model's KV heads per layer and `h` the global KV head (tensor parallelism holds a slice of the heads).
+- `now`: `[B, Hkv]` int64, the position of the token after the newest one cached (the newest is in the window,
+  never a candidate).
 - `n_keep`: how many candidates will be kept; `generator`: the only source of randomness:
   a `torch.Generator`, None (torch's global one), or at an eviction the cache's
   `keyed.KeyedGenerator`, whose noise (`scoring.uniform_noise`, `gumbel_noise`,
@@ -40,7 +44,7 @@ import torch
 from vasepatch.policies import scoring, shared
 from vasepatch.policies.keyed import KeyedGenerator, marked_keyed
 
-INPUTS = ("keys", "values", "queries", "positions", "valid", "n_keep", "generator")
+INPUTS = ("keys", "values", "queries", "positions", "valid", "n_keep", "generator", "head_ids", "now")
 PriorityFn = Callable[..., torch.Tensor]
 
 
@@ -108,9 +112,14 @@ class Policy:
         valid: torch.Tensor,
         n_keep: int,
         generator: scoring.Randomness = None,
+        *,
+        head_ids: torch.Tensor | None = None,
+        now: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`[B, Hkv, n_keep]` int64: distinct indices into `N` per `(b, h)`, valid candidates
-        before invalid ones (a row with fewer than `n_keep` valid candidates keeps all of them)."""
+        before invalid ones (a row with fewer than `n_keep` valid candidates keeps all of them).
+        Without `head_ids`, the rows are layer 0's heads `0 .. Hkv - 1`; without `now`, the position after
+        each row's last valid candidate (the cache's evictions pass both)."""
         scoring.check_inputs(keys, values, queries, positions, valid, n_keep)
         if isinstance(generator, KeyedGenerator):
             if self.shared_heads:
@@ -119,11 +128,28 @@ class Policy:
                 generator = generator.torch_generator()
         given = {"keys": keys, "values": values, "queries": queries, "positions": positions}
         given.update(valid=valid, n_keep=n_keep, generator=generator)
+        if "head_ids" in self.inputs or "now" in self.inputs:
+            given.update(head_inputs(positions, valid, head_ids, now))
         priority = self.priority(*(given[name] for name in self.inputs), **self.options)
         check_priority(self.name, priority, valid)
         if self.shared_heads:
             return shared.shared_top_k(ranked(priority, valid), valid, n_keep)
         return scoring.top_k_by_priority(ranked(priority, valid), n_keep)
+
+
+def head_inputs(
+    positions: torch.Tensor, valid: torch.Tensor, head_ids: torch.Tensor | None, now: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """`head_ids` and `now` (`[B, Hkv]` int64) as given, or their defaults (`Policy.select`), shapes checked."""
+    b, h = valid.shape[:2]
+    if head_ids is None:
+        head_ids = torch.arange(h, device=valid.device).expand(b, h)
+    if now is None:
+        now = positions.masked_fill(~valid, -1).amax(-1) + 1 if positions.shape[-1] else positions.sum(-1)
+    for name, t in (("head_ids", head_ids), ("now", now)):
+        if tuple(t.shape) != (b, h):
+            raise ValueError(f"{name} must be [B, Hkv] = {[b, h]}, got {list(t.shape)}")
+    return {"head_ids": head_ids, "now": now}
 
 
 def ranked(priority: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -217,10 +243,12 @@ def kept_slots(
     budget: int,
     window: int,
     generator: torch.Generator | KeyedGenerator | None = None,
+    head_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[B, Hkv, budget]` indices into the first `n` slots: `budget - window` of the older
     `n - window` chosen by `policy` from the `queries` `[B, Hq, W, D]`, then the last
-    `window` (always kept).
+    `window` (always kept). `head_ids` (`[B, Hkv]`, see `INPUTS`) go to the policy as they are, and `now` is
+    the position after the newest slot's (slot `n - 1`, in the window).
 
     Order: kept padding first, then real tokens in slot (= sequence) order, then the
     window, so that once gathered to the front each row's attendable slots form one
@@ -241,6 +269,8 @@ def kept_slots(
         cand_valid,
         budget - window,
         generator=generator,
+        head_ids=head_ids,
+        now=positions[:, :, n - 1] + 1,
     )
     data = getattr(policy, "check_output", True)
     check_picks(getattr(policy, "name", type(policy).__name__), idx, cand_valid, budget - window, data=data)

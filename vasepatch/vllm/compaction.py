@@ -62,6 +62,7 @@ def compact(
     head_offset: int = 0,
     pinned: int = 0,
     isa: str = "vec",
+    kv_heads: int = 0,
 ) -> torch.Tensor:
     """Evict one request down to `pinned + config.budget` slots in every layer (its eviction round `rounds`,
     0-based); returns the kept positions `[layers, kv_heads, budget]`.
@@ -73,7 +74,8 @@ def compact(
     first KV head; `pinned`: leading slots that stay as they are (a pinned prompt). No block that holds
     only pinned slots is read or written: the prompt's full blocks may be the prefix cache's, shared by
     other requests. The pinned slots of the block where the candidates start are written back unchanged.
-    `isa`: the caches' layout (`paged_layout.SUPPORTED_ISAS`)."""
+    `isa`: the caches' layout (`paged_layout.SUPPORTED_ISAS`); `kv_heads`: the model's KV heads per layer over
+    all ranks, for the policies' `head_ids` (0: this rank's, all of them without tensor parallelism)."""
     block_size = caches[0].shape[2]
     first = pinned // block_size  # the first block compaction writes
     fixed = pinned - first * block_size  # pinned slots in it, written back as they were
@@ -84,14 +86,23 @@ def compact(
         valid = torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device)
         where = positions[layer : layer + 1].to(keys.device)
         generator = KeyedGenerator(config.seed, layer, rounds, head_offset, keys.device)
+        ids = head_ids(torch.tensor([layer]), keys.shape[1], head_offset, kv_heads, keys.device)
         kept = kept_slots(
             policy, *(t[:, :, fixed:] for t in (keys, values)), where, valid[:, :, fixed:],
-            queries[layer : layer + 1], n - pinned, config.budget, config.window, generator,
+            queries[layer : layer + 1], n - pinned, config.budget, config.window, generator, ids,
         )  # fmt: skip
         order = torch.cat([torch.arange(fixed, device=kept.device).expand(*kept.shape[:2], fixed), kept + fixed], -1)
         paged_layout.write_slots(cache, tail, gather_slots(keys, order)[0], gather_slots(values, order)[0], isa)
         kept_positions.append(where.gather(-1, kept)[0])
     return torch.stack(kept_positions)
+
+
+def head_ids(layers: torch.Tensor, heads: int, head_offset: int, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """`[R, heads]` int64: the policies' `head_ids` of rows of `layers` (`[R]`): `layer * K + head_offset + h`,
+    `K` = `kv_heads` or, when 0, `heads` (this rank's)."""
+    total = kv_heads or heads
+    ids = layers.view(-1, 1) * total + head_offset + torch.arange(heads).view(1, -1)
+    return ids.to(device)
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,7 @@ def compact_stacked(
     policy: Policy,
     head_offset: int = 0,
     isa: str = "vec",
+    kv_heads: int = 0,
 ) -> list[torch.Tensor]:
     """Evict every request of `dues` (equal `stack_key`s; `config`'s budget and window, `policy`) as `compact`
     would, in one policy call over all layers and requests; returns each one's kept positions."""
@@ -162,9 +174,11 @@ def compact_stacked(
         [(d.seed, layer, d.round) for layer in range(layers) for d in dues], head_offset, keys.device
     )
     valid = torch.ones(where.shape, dtype=torch.bool, device=keys.device)
+    rows_layer = torch.arange(layers).repeat_interleave(count)  # rows are (layer, request), layer-major
+    ids = head_ids(rows_layer, keys.shape[1], head_offset, kv_heads, keys.device)
     kept = kept_slots(
         policy, keys[:, :, fixed:], values[:, :, fixed:], where, valid, queries,
-        candidates, config.budget, config.window, generator,
+        candidates, config.budget, config.window, generator, ids,
     )  # fmt: skip
     order = torch.cat([torch.arange(fixed, device=kept.device).expand(*kept.shape[:2], fixed), kept + fixed], -1)
     keys, values = gather_slots(keys, order), gather_slots(values, order)
