@@ -164,13 +164,22 @@ BENCH: list[tuple[list[str], str]] = [
     (["bench", "--resume", "<dir>"], r"resume: .*bench.json does not exist; --resume takes the folder"),
     (["bench", "--resume", "<dir>", "--out", "<missing>"], r"resume: the output goes to .*; drop --out"),
 ]
+CALIBRATE: list[tuple[list[str], str]] = [
+    (["calibrate", "<tiny-model>", "--tokens", "0"], r"argument --tokens: must be an int in \[1, 2147483647\], got 0"),
+    (["calibrate", "<missing>"], r"model '.*missing' is neither a registered name"),
+    (["calibrate", "<tiny-model>", "--text", "<missing>"], r"--text .*missing: no such file"),
+    (["calibrate", "<tiny-model>", "--text", "<dir>"], r"--text .*: is a folder, not a file"),
+    (["calibrate", "<tiny-model>", "--out", "<dir>"], r"argument --out: .* is a folder; expected a file path"),
+    (["calibrate", "<tiny-model>", "--tokens", "10000000"], r"--tokens 10000000 is more than MATH-500 .* has"),
+    (["calibrate"], r"the following arguments are required: model"),
+]
 TOP: list[tuple[list[str], str]] = [
     ([], r"the following arguments are required: command"),
     (["nope"], r"argument command: invalid choice: 'nope'"),
     (["eval"], r"the following arguments are required: evaluation"),
 ]
 
-BAD_INPUTS: list[tuple[list[str], str]] = TOP + GENERATE + DEMO + FIDELITY + TASK + BENCH
+BAD_INPUTS: list[tuple[list[str], str]] = TOP + GENERATE + DEMO + FIDELITY + TASK + BENCH + CALIBRATE
 """Every bad input of the command line and the one-line error it gets (a regex of it)."""
 
 

@@ -247,8 +247,8 @@ def kept_slots(
 ) -> torch.Tensor:
     """`[B, Hkv, budget]` indices into the first `n` slots: `budget - window` of the older
     `n - window` chosen by `policy` from the `queries` `[B, Hq, W, D]`, then the last
-    `window` (always kept). `head_ids` (`[B, Hkv]`, see `INPUTS`) go to the policy as they are, and `now` is
-    the position after the newest slot's (slot `n - 1`, in the window).
+    `window` (always kept). A policy whose inputs include them gets `head_ids` (`[B, Hkv]`, see `INPUTS`) as
+    they are, and `now`, the position after the newest slot's (slot `n - 1`, in the window).
 
     Order: kept padding first, then real tokens in slot (= sequence) order, then the
     window, so that once gathered to the front each row's attendable slots form one
@@ -261,6 +261,9 @@ def kept_slots(
     """
     n_cand = n - window
     cand_valid = valid[:, :, :n_cand]
+    where = {}  # only to a policy that reads them: an object with a `select` of its own may not take them
+    if {"head_ids", "now"} & set(getattr(policy, "inputs", ())):
+        where = {"head_ids": head_ids, "now": positions[:, :, n - 1] + 1}
     idx = policy.select(
         keys[:, :, :n_cand],
         values[:, :, :n_cand],
@@ -269,8 +272,7 @@ def kept_slots(
         cand_valid,
         budget - window,
         generator=generator,
-        head_ids=head_ids,
-        now=positions[:, :, n - 1] + 1,
+        **where,
     )
     data = getattr(policy, "check_output", True)
     check_picks(getattr(policy, "name", type(policy).__name__), idx, cand_valid, budget - window, data=data)
