@@ -223,8 +223,10 @@ class VaSELayer(FixedBatchLayer):
             queries = self.ring.read()
             generator = self.rng.for_eviction(self.plan, self.counters.evictions, self.device)
             tail = (t[:, :, p:] for t in (keys, values, positions, valid))  # the candidates: slots p..n-1
-            head_ids = self.plan.head_ids(keys.shape[1], keys.shape[0], keys.device)
-            kept = kept_slots(self.policy, *tail, queries, n - p, b, recent, generator, head_ids) + p
+            ids = None  # only for a policy that reads them (a step enters no file it does not need)
+            if "head_ids" in getattr(self.policy, "inputs", ()):
+                ids = self.plan.head_ids(keys.shape[1], keys.shape[0], keys.device)
+            kept = kept_slots(self.policy, *tail, queries, n - p, b, recent, generator, ids) + p
         end = self.slots.compact((keys, values, positions, valid), kept, p, n)
         c = self.counters
         c.occupancy, c.evictions, c.evicted = end, c.evictions + 1, c.evicted + n - end

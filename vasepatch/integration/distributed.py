@@ -109,7 +109,7 @@ def sharding(model: torch.nn.Module, layout: ModelLayout) -> Sharding:
 def with_head_offsets(layout: ModelLayout, shard: Sharding) -> ModelLayout:
     """`layout` whose layer plans carry the global index of this process's first KV head, and the KV heads of
     all processes."""
-    if shard.world_size == 1 and not layout.plans:
+    if shard.world_size == 1:  # one process holds every head: the plans' defaults
         return layout
     plans = tuple(
         dataclasses.replace(p, head_offset=shard.head_offset, kv_heads=shard.total_kv_heads)
