@@ -8,8 +8,10 @@ before the model is touched.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 FULL = "full"  # the never-evicting reference: a mode of the cache, not a policy
@@ -261,3 +263,15 @@ class VaSEConfig:
                 f"policy_options must be empty for policy='full' (the never-evicting mode has no policy), "
                 f"got {dict(self.policy_options)!r}"
             )
+
+
+def cache_dir() -> Path:
+    """Where converted models are cached: `$VASEPATCH_CACHE_DIR`, else `$XDG_CACHE_HOME/vasepatch`, else
+    `~/.cache/vasepatch`, as the Hugging Face hub, pip and torch place theirs. An empty variable counts as
+    unset, and so does a relative `XDG_CACHE_HOME`, which the XDG base directory spec says to ignore."""
+    own = os.environ.get("VASEPATCH_CACHE_DIR")
+    if own:
+        return Path(own).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return base / "vasepatch"

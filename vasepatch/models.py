@@ -41,6 +41,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vasepatch.config import cache_dir
+
 if TYPE_CHECKING:
     import torch
 
@@ -171,18 +173,6 @@ register_gguf("gemma3-270m", gemma3_gguf)
 def available() -> list[str]:
     """Registered model names."""
     return sorted(_GGUF_SOURCES)
-
-
-def cache_dir() -> Path:
-    """Where converted models are cached: `$VASEPATCH_CACHE_DIR`, else `$XDG_CACHE_HOME/vasepatch`, else
-    `~/.cache/vasepatch`, as the Hugging Face hub, pip and torch place theirs. An empty variable counts as
-    unset, and so does a relative `XDG_CACHE_HOME`, which the XDG base directory spec says to ignore."""
-    own = os.environ.get("VASEPATCH_CACHE_DIR")
-    if own:
-        return Path(own).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
-    return base / "vasepatch"
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:

@@ -216,7 +216,7 @@ def stats_path(model: torch.nn.Module) -> Path:
 
 
 def _path_for(key: str) -> Path:
-    from vasepatch.models import cache_dir
+    from vasepatch.config import cache_dir
 
     return cache_dir() / POLICY / f"{key}.safetensors"
 
@@ -334,9 +334,9 @@ def calibrate(
 
 
 def _metadata(model: torch.nn.Module, input_ids: Tensor, key: str, chunk: int) -> dict[str, str]:
-    import transformers
+    from importlib.metadata import version  # vasepatch's own, without importing the package from inside it
 
-    from vasepatch import __version__
+    import transformers
 
     ids = input_ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
     q_norm = any((_query_module(attention_module(layer)) or ("",))[0] == "q_norm" for layer in _decoder(model)[1])
@@ -351,5 +351,5 @@ def _metadata(model: torch.nn.Module, input_ids: Tensor, key: str, chunk: int) -
         "q_norm_applied": "true" if q_norm else "false",
         "rope_style": "half",
         "transformers_version": transformers.__version__,
-        "vasepatch_version": __version__,
+        "vasepatch_version": version("vasepatch"),
     }
