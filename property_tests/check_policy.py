@@ -9,6 +9,10 @@ them: `check_policy(name)` runs the same test functions, with the same strategie
 
     check_policy("my-policy")  # the names of the properties it passed; else the first failure, shrunk
 
+A policy with a `stats` option (one that reads a file of calibrated query statistics, as `triattention` does)
+gets, in every property, a random but valid statistics file of the drawn case's shapes
+(`tests.query_stats_files`, written by `vasepatch.policies.query_stats.save_stats`).
+
 From a clone of the repository, at its root (the property tests are not part of the wheel).
 """
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from tests.query_stats_files import options_for
+
 VALUE_KINDS = ("normal", "outliers", "constant", "tiny")
 
 
@@ -106,6 +108,20 @@ class CacheCase:
     policy: str
     prefill: str  # "compress" (default), "keep" or "pin"
     chunk: int | None  # prefill chunk size (None: the whole prompt in one step); compress only
+
+
+def policy_options(name: str, case: PolicyCase, layers: int = 1) -> dict:
+    """The options policy `name` needs for `case` beyond the common ones: a statistics file of the case's
+    shapes (`layers` layers) for a policy with a `stats` option (`tests.query_stats_files`), none for any other."""
+    _, q_heads, _, head_dim = case.queries.shape
+    kv_heads = case.keys.shape[1]
+    return options_for(name, layers=layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+
+
+def cache_policy_options(name: str, case: CacheCase) -> dict:
+    """`policy_options` for a one-layer cache of `case`'s shapes (as `policy_options` for a policy case)."""
+    q_heads = case.kv_heads * case.groups
+    return options_for(name, layers=1, q_heads=q_heads, kv_heads=case.kv_heads, head_dim=case.head_dim)
 
 
 def evicting_policies() -> list[str]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from property_tests.strategies import CacheCase, cache_cases, make_values
+from property_tests.strategies import CacheCase, cache_cases, cache_policy_options, make_values
 from tests.drive import step as drive_step
 from vasepatch import policies
 from vasepatch.cache import VaSELayer, schedule
@@ -86,6 +86,7 @@ class SpyPolicy:
 
 def _layer(case: CacheCase, name: str) -> tuple[VaSELayer, SpyPolicy]:
     options = {"sample": case.sample} if name == "vase" else {}
+    options.update(cache_policy_options(name, case))  # a statistics file of the case's shapes, if `name` reads one
     cfg = VaSEConfig(
         budget=case.budget,
         window=case.window,

@@ -32,6 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from property_tests.strategies import VALUE_KINDS, make_values
 from tests.drive import step as drive_step
+from tests.query_stats_files import options_for
 from vasepatch import policies
 from vasepatch.cache import VaSELayer
 from vasepatch.config import FULL, VaSEConfig
@@ -85,10 +86,13 @@ class CacheMachine(RuleBasedStateMachine):
         window = data.draw(st.integers(1, budget - 1), label="window")
         sinks = data.draw(st.integers(0, min(4, budget - window)), label="sinks")
         protect = data.draw(st.integers(sinks, budget - window), label="protect")
-        self.cfg = VaSEConfig(
-            budget=budget, window=window, sinks=sinks, protect=protect, policy=policy, prefill=prefill, seed=seed
-        )
         self.b, self.h, self.hq, self.d, self.kind = batch, kv_heads, kv_heads * groups, 4, kind
+        shapes = dict(layers=1, q_heads=self.hq, kv_heads=self.h, head_dim=self.d)
+        options = {} if policy == FULL else options_for(policy, **shapes)  # a statistics file, if it reads one
+        self.cfg = VaSEConfig(
+            budget=budget, window=window, sinks=sinks, protect=protect, policy=policy, prefill=prefill, seed=seed,
+            policy_options=options,
+        )  # fmt: skip
         self.g = torch.Generator().manual_seed(seed)
         self.evictions = 0
         self._new_layer()

@@ -7,6 +7,7 @@ import torch
 
 from property_tests.check_policy import CACHE, EVERY_POLICY, SINK_KEEPERS, check_policy
 from vasepatch import policies
+from vasepatch.policies import query_stats
 from vasepatch.policies.options import Sinks
 
 
@@ -42,6 +43,18 @@ def test_a_correct_policy_passes_and_the_sink_properties_go_with_a_sinks_option(
     every = [p.__name__ for p in (*EVERY_POLICY, *CACHE)]
     assert check_policy("user-newest", max_examples=5) == every
     assert set(check_policy("user-streaming", max_examples=5)) == {*every, *(p.__name__ for p in SINK_KEEPERS)}
+
+
+def reads_stats(keys, valid, head_ids, *, stats: str = ""):
+    """A user's policy that reads a statistics file: its rows must fit the candidates' heads and head size."""
+    rows = query_stats.load_stats(stats).rows(head_ids)  # ValueError without a file, IndexError past its rows
+    assert rows.q_abs.shape[:2] == keys.shape[:2] and rows.q_abs.shape[-1] == keys.shape[-1] // 2
+    return keys.float().sum(-1) * rows.scaling.unsqueeze(-1)
+
+
+def test_a_policy_with_a_stats_option_gets_a_statistics_file_of_each_case_s_shapes(register):
+    register("user-stats", reads_stats)
+    assert check_policy("user-stats", max_examples=10) == [p.__name__ for p in (*EVERY_POLICY, *CACHE)]
 
 
 def test_a_policy_that_drops_its_sinks_fails(register):

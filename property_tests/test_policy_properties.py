@@ -7,12 +7,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from property_tests.strategies import PolicyCase, policy_cases
+from property_tests.strategies import PolicyCase, policy_cases, policy_options
 from vasepatch import VaSEConfig, policies
 from vasepatch.policies import base, scoring
 
 
 def _build(name: str, case: PolicyCase, **extra):
+    """Policy `name` with the case's common options, and a statistics file of its shapes if it reads one."""
+    extra = {**policy_options(name, case), **extra}
     return policies.get(
         name, protect=case.protect, sinks=case.sinks, temperature=case.temperature, smooth=case.smooth, **extra
     )

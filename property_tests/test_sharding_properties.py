@@ -15,26 +15,32 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from property_tests.strategies import PolicyCase, policy_cases
+from property_tests.strategies import PolicyCase, policy_cases, policy_options
 from vasepatch import policies
 from vasepatch.cache import EvictionRandomness
 from vasepatch.cache.plan import LayerPlan
 from vasepatch.policies.base import kept_slots
 
+LAYERS = 41  # the layers an eviction below may be of (0 to 40): the rows of a statistics file
+
 
 def _build(name: str, case: PolicyCase, **extra):
+    """Policy `name` with the case's common options, and a statistics file of `LAYERS` layers of its shapes (all
+    of its KV heads, over every rank) if it reads one."""
+    extra = {**policy_options(name, case, layers=LAYERS), **extra}
     return policies.get(
         name, protect=case.protect, sinks=case.sinks, temperature=case.temperature, smooth=case.smooth, **extra
     )
 
 
 def _keep(policy, case: PolicyCase, heads: slice, rows: slice, window: int, layer: int, round_: int):
-    """The kept slots of an eviction that holds KV heads `heads` (and their query heads) of rows `rows`."""
+    """The kept slots of an eviction that holds KV heads `heads` (and their query heads) of rows `rows` of layer
+    `layer`: its noise keyed and its `head_ids` numbered by the global KV head, as the cache's layers do."""
     group = case.queries.shape[1] // case.keys.shape[1]
     q_heads = slice(heads.start * group, heads.stop * group)
-    plan = LayerPlan(layer, head_offset=heads.start)
+    plan = LayerPlan(layer, head_offset=heads.start, kv_heads=case.keys.shape[1])
     generator = EvictionRandomness(case.seed).for_eviction(plan, round_, case.keys.device)
-    n = case.keys.shape[2]
+    b, n = case.keys[rows].shape[0], case.keys.shape[2]
     return kept_slots(
         policy,
         case.keys[rows, heads],
@@ -46,6 +52,7 @@ def _keep(policy, case: PolicyCase, heads: slice, rows: slice, window: int, laye
         case.n_keep + window,
         window,
         generator,
+        plan.head_ids(heads.stop - heads.start, b, case.keys.device),
     )
 
 

@@ -35,6 +35,7 @@ POLICIES = (
     "knorm",
     "streaming",
     "random",
+    "triattention",
 )
 
 
@@ -76,6 +77,8 @@ class ReferenceCache:
         prefill="compress",
         lam=0.5,
         rank=20,
+        stats="",
+        max_offset=65536,
     ):
         self.entries = [[[] for _ in range(kv_heads)] for _ in range(batch)]
         self.ring: list[list[torch.Tensor]] = [[] for _ in range(batch)]  # last `window` queries [Hq, D]
@@ -83,6 +86,7 @@ class ReferenceCache:
         self.budget, self.window, self.protect, self.sinks = budget, window, protect, sinks
         self.temperature, self.smooth, self.policy, self.prefill = temperature, smooth, policy, prefill
         self.lam, self.rank = lam, rank
+        self.stats, self.max_offset = stats, max_offset  # triattention: its statistics file (layer 0's rows)
         self.seed, self.rounds = seed, 0
         self.prefilled = False
         self.evicted = 0
@@ -164,6 +168,8 @@ class ReferenceCache:
             return self._dkv(cand, sink, draws["projection"])
         if p == "random":
             return draws["uniform"].double().tolist()
+        if p == "triattention":
+            return self._triattention(b, h, cand)
         attention = self._window_attention(b, h, cand)
         if p == "snapkv":
             return attention
@@ -238,3 +244,30 @@ class ReferenceCache:
         g = projection.double()
         own = [float((e.k.double() @ g).square().sum() * (e.v.double() @ g).square().sum()) for e in cand]
         return [math.inf if s else x for s, x in zip(sink, own, strict=True)]
+
+    def _triattention(self, b, h, cand) -> list[float]:
+        """TriAttention on layer 0: the mean query of each of KV head `h`'s query heads rotated by RoPE to each
+        future position `now + d` and dotted with each key (`test_triattention.reference_scores`, float64),
+        z-scored over the real candidates, the largest over the query heads. `now` is the position after the
+        newest token (the last entry, in the window)."""
+        from safetensors.torch import load_file
+
+        from tests.policies.test_triattention import reference_scores
+
+        t = load_file(self.stats)
+        group = t["q_mean"].shape[1] // len(self.entries[b])
+        heads = slice(h * group, (h + 1) * group)
+        keys = torch.stack([e.k for e in cand]).unsqueeze(0)  # [1, N, D], after RoPE
+        now = self.entries[b][h][-1].pos + 1
+        a, inv_freq = float(t["scaling"][0]), t["inv_freq"][0]
+        scores = reference_scores(
+            keys, None, now, t["q_mean"][0, heads][None], t["q_abs"][0, heads][None], inv_freq, a, self.max_offset
+        )[0]  # [G, N]
+        real = [c for c, e in enumerate(cand) if e.valid]
+        best = [-math.inf] * len(cand)
+        for row in scores.tolist():
+            mean = sum(row[c] for c in real) / max(len(real), 1)
+            std = max(math.sqrt(sum((row[c] - mean) ** 2 for c in real) / max(len(real), 1)), 1e-6)
+            for c in real:
+                best[c] = max(best[c], (row[c] - mean) / std)
+        return best

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.drive import step
+from tests.query_stats_files import options_for
 from vasepatch import VaSEConfig, policies
 from vasepatch.cache import VaSELayer, slots
 from vasepatch.cache.plan import LayerPlan
@@ -231,7 +232,9 @@ def _state(layer: VaSELayer) -> tuple[torch.Tensor, ...]:
 CASES = {
     "global": dict(plan=LayerPlan(3), batch=1, heads=2, padded=False, steps=[40] + [1] * 30),
     "ragged": dict(plan=LayerPlan(5), batch=3, heads=2, padded=True, steps=[37] + [1] * 30),
-    "tensor-parallel": dict(plan=LayerPlan(2, head_offset=6), batch=2, heads=3, padded=True, steps=[30] + [1] * 25),
+    "tensor-parallel": dict(
+        plan=LayerPlan(2, head_offset=6, kv_heads=12), batch=2, heads=3, padded=True, steps=[30] + [1] * 25
+    ),  # the third of four ranks of 3 KV heads
     "sliding": dict(plan=LayerPlan(1, sliding_window=24), batch=2, heads=2, padded=True, steps=[33] + [1] * 30),
     "chunked": dict(plan=LayerPlan(4), batch=2, heads=2, padded=False, steps=[9, 9, 9, 9, 9, 1, 1, 1, 1]),
 }
@@ -241,7 +244,9 @@ CASES = {
 @pytest.mark.parametrize("name", policies.available())
 def test_every_policy_keeps_exactly_what_the_previous_eviction_kept(name, case, monkeypatch):
     c = CASES[case]
-    config = VaSEConfig(budget=16, window=4, policy=name, seed=11, protect=6)
+    kv_heads = c["plan"].kv_heads or c["heads"]  # the layer's over all ranks: the statistics' rows
+    stats = options_for(name, layers=c["plan"].index + 1, q_heads=2 * kv_heads, kv_heads=kv_heads, head_dim=8)
+    config = VaSEConfig(budget=16, window=4, policy=name, seed=11, protect=6, policy_options=stats)
     monkeypatch.setitem(scoring.CHUNK_BYTES, "cpu", 1)  # ours: one (row, KV head) pair a chunk
     runs = []
     for reference in (False, True):
@@ -261,10 +266,11 @@ def test_every_policy_keeps_exactly_what_the_previous_eviction_kept(name, case, 
 @pytest.mark.parametrize("name", policies.available())
 def test_stacking_the_layers_keeps_the_same_slots(name):
     """The stacked eviction the benchmark times (`keyed.StackedKeyedGenerator`, `rows=B`: layer `l`'s rows
-    `l*B .. l*B + B - 1`) keeps what each layer keeps on its own, for every registered policy."""
+    `l*B .. l*B + B - 1`, their `head_ids` those of layer `l`) keeps what each layer keeps on its own, for every
+    registered policy."""
     g = torch.Generator().manual_seed(1)
-    policy = policies.get(name, protect=8)
     b, h, n, d, budget, window, layers = 2, 3, 40, 16, 24, 8, 4
+    policy = policies.get(name, protect=8, **options_for(name, layers=layers, q_heads=2 * h, kv_heads=h, head_dim=d))
     inputs = []
     for _ in range(layers):
         k, v = torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g)
@@ -273,8 +279,10 @@ def test_stacking_the_layers_keeps_the_same_slots(name):
         valid[1, :, :5], pos[1, :, :5] = False, -1
         inputs.append((k, v, pos, valid, torch.randn(b, 2 * h, window, d, generator=g)))
     gens = [KeyedGenerator(5, i, 2, 3) for i in range(layers)]
-    one = [kept_slots(policy, *x, n, budget, window, gen) for x, gen in zip(inputs, gens, strict=True)]
+    ids = [LayerPlan(i).head_ids(h, b, CPU) for i in range(layers)]  # each layer's rows of statistics
+    one = [kept_slots(policy, *x, n, budget, window, *more) for x, *more in zip(inputs, gens, ids, strict=True)]
     stacked = [torch.cat([x[i] for x in inputs]) for i in range(5)]
     keys = [(5, i, 2) for i in range(layers)]
-    together = kept_slots(policy, *stacked, n, budget, window, StackedKeyedGenerator(keys, 3, rows=b))
+    generator = StackedKeyedGenerator(keys, 3, rows=b)
+    together = kept_slots(policy, *stacked, n, budget, window, generator, torch.cat(ids))
     assert torch.equal(together, torch.cat(one))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.drive import step
+from tests.query_stats_files import options_for
 from tests.reference import POLICIES, ReferenceCache
 from vasepatch import policies
 from vasepatch.cache import VaSELayer
@@ -18,6 +19,10 @@ BUDGET, WINDOW, PROTECT, SINKS, D, BATCH = 16, 4, 5, 2, 8, 3
 # must be kept, which ones is torch.topk's tie order, which the reference cannot know: with
 # protect=1 there is never a tie.
 OVERRIDES = {"evict-large": {"protect": 1, "sinks": 1}}
+# triattention's float32 angles `(t - p + d) * w` are off by up to d * 6e-8 rad: by 4e-3 at its default farthest
+# offset 65536, which moved its z-scores by 5e-4 from the float64 reference's, and two candidates' fewer than that
+# apart swapped places at the keep boundary. Offsets up to 64 keep the difference near 1e-6.
+POLICY_OPTIONS = {"triattention": {"max_offset": 64}}
 
 
 def _compare(layer: VaSELayer, ref: ReferenceCache) -> None:
@@ -64,9 +69,11 @@ def test_library_matches_reference(policy, lengths, kv_heads, q_heads, prefill):
     seed = 11
     sizes = {"protect": PROTECT, "sinks": SINKS, **OVERRIDES.get(policy, {})}
     common = dict(**sizes, temperature=2.0, smooth=3, seed=seed, policy=policy, prefill=prefill)
-    cfg = VaSEConfig(budget=BUDGET, window=WINDOW, **common)
+    options = options_for(policy, layers=1, q_heads=q_heads, kv_heads=kv_heads, head_dim=D)
+    options.update(POLICY_OPTIONS.get(policy, {}))
+    cfg = VaSEConfig(budget=BUDGET, window=WINDOW, **common, policy_options=options)
     layer = VaSELayer(cfg, policies.for_config(cfg))
-    ref = ReferenceCache(BATCH, kv_heads, BUDGET, WINDOW, **common)
+    ref = ReferenceCache(BATCH, kv_heads, BUDGET, WINDOW, **common, **options)
     g = torch.Generator().manual_seed(3)
     mask = _ragged(lengths)
     prompt = mask.shape[1]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests import drive
+from tests.query_stats_files import options_for
 from vasepatch import policies
 from vasepatch.cache import VaSECache
 from vasepatch.config import VaSEConfig
@@ -29,7 +30,8 @@ def _case(b=2, h=3, n=24, d=8, group=2, seed=0):
 @pytest.mark.parametrize("name", policies.available())
 def test_every_head_keeps_the_same_tokens(name):
     args = _case()
-    policy = policies.get(name, protect=6, sinks=2, shared_heads=True)
+    stats = options_for(name, layers=1, q_heads=6, kv_heads=3, head_dim=8)  # `_case`'s shapes
+    policy = policies.get(name, protect=6, sinks=2, shared_heads=True, **stats)
     for generator in (KeyedGenerator(1, 0, 0), torch.Generator().manual_seed(1)):
         idx = policy.select(*args, 10, generator)
         assert (idx == idx[:, :1]).all(), "heads kept different tokens"

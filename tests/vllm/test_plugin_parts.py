@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
+from tests.query_stats_files import options_for
 from vasepatch import policies
 from vasepatch.config import VaSEConfig
 from vasepatch.policies import scoring
@@ -638,17 +639,26 @@ def test_the_prefill_mode_defaults_to_pin_with_prefix_caching_and_compress_is_re
 # --- one eviction call per step: the due requests stacked ---------------------------------------------------
 
 
+STACK_KV_HEADS = 4  # the model's KV heads per layer over both ranks of `_stack_case`
+
+
 def _stack_case(policy_name: str, dtype: torch.dtype, pins: bool, shared: bool = False):
     """Three requests due at one step (seeds, rounds, dropped counts and, pinned, prompt lengths of their own),
-    their paged caches of 3 layers, and what each request's own `compaction.compact` call leaves."""
+    their paged caches of 3 layers, and what each request's own `compaction.compact` call leaves. The rank holds
+    KV heads 2 and 3 of `STACK_KV_HEADS` = 4 (`head_offset=2`)."""
     gen = torch.Generator().manual_seed(3)
     layers, heads, q_heads, d, bs, budget, window = 3, 2, 4, 16, 8, 20, 4
     pinned = [5, 13, 21] if pins else [0, 0, 0]
     mode = "pin" if pins else "compress"
+    group = q_heads // heads
+    stats = options_for(policy_name, layers=layers, q_heads=group * STACK_KV_HEADS, kv_heads=STACK_KV_HEADS, head_dim=d)
     configs = [
-        VaSEConfig(budget=budget, window=window, policy=policy_name, seed=100 + r, prefill=mode, shared_heads=shared)
+        VaSEConfig(
+            budget=budget, window=window, policy=policy_name, seed=100 + r, prefill=mode, shared_heads=shared,
+            policy_options=stats,
+        )
         for r in range(3)
-    ]
+    ]  # fmt: skip
     caches = [torch.randn(40, heads, bs, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
     alone, dues, want = [c.clone() for c in caches], [], []
     owned = torch.randperm(40, generator=gen).view(4, 10)  # each request's own blocks, in no order
@@ -658,7 +668,11 @@ def _stack_case(policy_name: str, dtype: torch.dtype, pins: bool, shared: bool =
         positions = compaction.candidate_positions(earlier, layers, heads, n, 9 * r, p)
         queries = torch.randn(layers, q_heads, window, d, generator=gen)
         policy = policies.for_config(config)
-        want.append(compaction.compact(alone, blocks, n, queries, positions, config, policy, r + 2, 2, p))
+        want.append(
+            compaction.compact(
+                alone, blocks, n, queries, positions, config, policy, r + 2, 2, p, kv_heads=STACK_KV_HEADS
+            )
+        )
         dues.append(compaction.Due(blocks, n, p, r + 2, config.seed, queries, positions))
     return caches, dues, configs, alone, want
 
@@ -674,7 +688,7 @@ def test_stacked_eviction_keeps_exactly_what_one_call_per_request_keeps(policy_n
     policy = policies.for_config(configs[0])
     keys = {compaction.stack_key(config, policy, due, 8) for config, due in zip(configs, dues, strict=True)}
     assert len(keys) == 1 and None not in keys  # the seed is not in the key: it keys each row's noise
-    got = compaction.compact_stacked(caches, dues, configs[0], policy, head_offset=2)
+    got = compaction.compact_stacked(caches, dues, configs[0], policy, head_offset=2, kv_heads=STACK_KV_HEADS)
     for layer in range(len(caches)):
         assert torch.equal(caches[layer], alone[layer])
     for g, w in zip(got, want, strict=True):
