@@ -4,13 +4,18 @@ dotted with the cached key, as the model's own attention would, instead of the u
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from vasepatch.policies import query_stats, triattention
+from vasepatch.policies import query_stats
 from vasepatch.policies.base import Policy
 from vasepatch.policies.query_stats import QueryStats
+
+# the module: `vasepatch.policies.triattention` is the policy's function, as for every registered policy
+triattention = importlib.import_module("vasepatch.policies.triattention")
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, a: float) -> torch.Tensor:

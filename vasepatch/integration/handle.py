@@ -22,6 +22,7 @@ from vasepatch import policies
 from vasepatch.cache import CacheMonitor, VaSECache
 from vasepatch.config import VaSEConfig
 from vasepatch.errors import NotPatchedError
+from vasepatch.integration import policy_stats
 from vasepatch.integration.compat import cache_keyword
 from vasepatch.integration.distributed import Sharding
 from vasepatch.integration.families import ModelLayout
@@ -111,6 +112,7 @@ class PatchHandle:
         elif not isinstance(config, VaSEConfig):
             raise ValueError(f"config must be a vasepatch.VaSEConfig, got {type(config).__name__}")
         else:
+            config = policy_stats.with_stats(self.model, config)  # a policy that reads statistics: its file
             cache = VaSECache(config, policy_for(config), n_layers, plans=self.layout.layer_plans())
         cache.owner = self.cache_owner
         return cache

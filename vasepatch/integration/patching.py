@@ -50,7 +50,7 @@ import torch
 from vasepatch.cache import footprint
 from vasepatch.config import VaSEConfig
 from vasepatch.errors import AlreadyPatchedError, NotPatchedError, UnsupportedModelError
-from vasepatch.integration import attention, distributed
+from vasepatch.integration import attention, distributed, policy_stats
 from vasepatch.integration.compat import check_transformers
 from vasepatch.integration.compile_support import install_compile_support
 from vasepatch.integration.families import ModelLayout, inspect_model
@@ -157,6 +157,7 @@ def patch(
         check_policy_output=check_policy_output,
         shared_heads=shared_heads,
     )
+    cfg = policy_stats.with_stats(model, cfg)  # a policy that reads calibrated statistics: its file, checked
     chosen = policy_for(cfg)
     layout, shard, backend = _placement(model, layout, cfg)
     register()

@@ -18,6 +18,7 @@ Never evicting (`policy="full"`) is a mode of the cache, not a policy.
 | `knorm` | sinks + the keys with the smallest L2 norm |
 | `streaming` | StreamingLLM: sinks + most recent |
 | `random` | uniform among the valid candidates |
+| `triattention` | TriAttention: the attention calibrated future queries would pay each key (`vasepatch calibrate`) |
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from vasepatch.policies.options import COMMON_OPTIONS, Option, options_of, resol
 from vasepatch.policies.rkv import rkv
 from vasepatch.policies.simple import streaming, uniform
 from vasepatch.policies.snapkv import snapkv
+from vasepatch.policies.triattention import triattention
 from vasepatch.policies.vase import vase
 
 _REGISTRY: dict[str, tuple[PriorityFn, dict[str, Option], dict[str, Any]]] = {}
@@ -122,6 +124,7 @@ register("rkv", rkv)
 register("knorm", knorm)
 register("streaming", streaming)
 register("random", uniform)
+register("triattention", triattention)
 
 __all__ = [
     "COMMON_OPTIONS",
@@ -140,6 +143,7 @@ __all__ = [
     "rkv",
     "snapkv",
     "streaming",
+    "triattention",
     "uniform",
     "vase",
 ]

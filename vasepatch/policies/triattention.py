@@ -43,7 +43,7 @@ def half_pairs(x: Tensor) -> tuple[Tensor, Tensor]:
     """The real and imaginary parts of `x`'s half-split frequency pairs: `x[..., :F]`, `x[..., F:]`, float32."""
     f = x.shape[-1] // 2
     x = x.float()
-    return x[..., :f], x[..., f:]
+    return x[..., :f], x[..., f : 2 * f]  # an odd last element has no pair (RoPE needs an even head size)
 
 
 def unrotate(keys: Tensor, positions: Tensor, inv_freq: Tensor, scaling: Tensor) -> tuple[Tensor, Tensor]:

@@ -231,9 +231,16 @@ def resolve(
         config = VaSEConfig(**merged)
         from vasepatch import policies  # the policy's name and options, checked where they live
 
-        policies.for_config(config)
+        policy = policies.for_config(config)
     except ValueError as exc:
         raise SettingsError(str(exc), _blame(str(exc), own, engine)) from None
+    if "stats" in policy.options:
+        where = REQUEST_PREFIX + "policy" if "policy" in own else f"{ENGINE_WHERE}['policy']"
+        raise SettingsError(
+            f"{where}: policy {config.policy!r} reads calibrated statistics, which the vLLM plugin does not load "
+            "yet; it runs with vasepatch.patch on transformers",
+            where,
+        )
     return config
 
 
