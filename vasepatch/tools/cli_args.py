@@ -151,8 +151,8 @@ def number_list(lo: float, hi: float) -> Callable[[str], list[float]]:
 
 
 BUILTIN_POLICIES = (
-    "cur", "evict-large", "knorm", "protect-random", "random", "rkv", "snapkv", "streaming", "vase", "vase-dkv",
-    "vase-l2", "vase-topk", "vase-var",
+    "cur", "evict-large", "knorm", "protect-random", "random", "rkv", "snapkv", "streaming", "triattention", "vase",
+    "vase-dkv", "vase-l2", "vase-topk", "vase-var",
 )  # fmt: skip
 """The policies `vasepatch.policies` registers, sorted: what `policies.available()` returns in a fresh process,
 without importing torch (tests/tools/test_cli_startup.py keeps the two equal)."""
