@@ -46,7 +46,7 @@ def test_the_models_own_statistics_are_found_and_evict_as_the_same_file_given_by
     assert path == calibration.stats_path(model) and path.parent.parent == cache_dir
     prompt = _ids(12, seed=1)
     with vasepatch.patched(model, budget=16, window=4, policy="triattention") as handle:
-        assert handle.config.policy_options == {"stats": str(path)}
+        assert handle.config.policy_options == {"stats": str(path), "rotary_dtype": "float32"}
         found = _generate(model, prompt)
         assert handle.stats()["evictions"] > 0
     with warnings.catch_warnings():
@@ -127,7 +127,26 @@ def test_a_cache_of_other_settings_on_a_patched_model_gets_the_models_statistics
     path = calibration.calibrate(model, _ids())
     with vasepatch.patched(model, budget=16, window=4) as handle:
         cache = handle.new_cache(vasepatch.VaSEConfig(budget=16, window=4, policy="triattention"))
-        assert cache.config.policy_options == {"stats": str(path)}
+        assert cache.config.policy_options == {"stats": str(path), "rotary_dtype": "float32"}
         model(_ids(24, seed=2), **{handle.cache_keyword: cache})
         model(_ids(1, seed=3), **{handle.cache_keyword: cache})
         assert cache.layers[0].counters.evictions > 0
+
+
+def test_a_model_cast_to_bfloat16_finds_its_float32_calibration_and_its_rounded_rotary(cache_dir, tmp_path):
+    """`model.to(torch.bfloat16)` rounds the rotary's frequencies, and RoPE rotates by the rounded ones: the key is
+    the same, and the policy un-rotates by the file's frequencies rounded alike. A file whose frequencies do not
+    round to the model's is refused."""
+    model = tiny_model("llama")
+    path = calibration.calibrate(model, _ids())
+    model = model.to(torch.bfloat16)
+    assert calibration.rotary_dtype(model) == torch.bfloat16
+    with vasepatch.patched(model, budget=16, window=4, policy="triattention") as handle:
+        assert handle.config.policy_options == {"stats": str(path), "rotary_dtype": "bfloat16"}
+        _generate(model, _ids(12, seed=1))
+        assert handle.stats()["evictions"] > 0
+    tensors = calibration.collect(tiny_model("llama"), _ids())
+    tensors["inv_freq"] = tensors["inv_freq"] * (1 + 2**-6)
+    off = query_stats.save_stats(tmp_path / "off", tensors, 2, {})
+    with pytest.raises(ValueError, match="another rotary"):
+        vasepatch.patch(model, budget=16, window=4, policy="triattention", policy_options={"stats": str(off)})

@@ -170,3 +170,28 @@ def test_tensors_that_do_not_fit_together_are_refused_by_name(tmp_path, name, sh
     assert not (tmp_path / "s.safetensors").exists()
     with pytest.raises(ValueError, match="multiple of kv_heads"):
         _write(tmp_path / "t.safetensors", kv_heads=4)
+
+
+def test_a_bfloat16_rotary_is_undone_by_the_files_frequencies_rounded_alike(tmp_path):
+    """A model cast to bfloat16 rotates its keys by its rounded frequencies: with `rotary_dtype="bfloat16"` the
+    policy ranks as the reference does with those frequencies; with the exact ones it would rank otherwise."""
+    q_mean = torch.randn(1, 3, 8, 2, generator=torch.Generator().manual_seed(4))
+    stats = dict(layers=1, q_heads=3, kv_heads=1, dim=16, q_mean=q_mean, q_abs=q_mean.norm(dim=-1))  # no E term
+    path, tensors = _write(tmp_path / "stats.safetensors", **stats)
+    rounded = tensors["inv_freq"][0].to(torch.bfloat16).double()
+    g = torch.Generator().manual_seed(5)
+    positions = torch.arange(20000, 20040).view(1, 40)
+    keys = rope(torch.randn(1, 40, 16, generator=g, dtype=torch.float64), positions, rounded, 1.0).float()
+    now = 20040
+    want = reference_scores(keys, positions, now, tensors["q_mean"][0].view(1, 3, 8, 2),
+                            tensors["q_abs"][0].view(1, 3, 8), rounded, 1.0, 1024)  # fmt: skip
+    z = (want - want.mean(-1, keepdim=True)) / want.std(-1, unbiased=False, keepdim=True)
+    top = z.amax(1).topk(10, dim=-1).indices.sort(-1).values
+    picks = {}
+    for dtype in ("bfloat16", "float32"):
+        policy = Policy("triattention", triattention.triattention, {"stats": str(path), "max_offset": 1024,
+                                                                    "rotary_dtype": dtype})  # fmt: skip
+        idx = policy.select(keys[None], keys[None], None, positions[None], torch.ones(1, 1, 40, dtype=torch.bool), 10,
+                            head_ids=torch.tensor([[0]]), now=torch.full((1, 1), now))  # fmt: skip
+        picks[dtype] = idx[0].sort(-1).values
+    assert torch.equal(picks["bfloat16"], top) and not torch.equal(picks["float32"], top)

@@ -124,6 +124,14 @@ def _decoder(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleLi
     return found[0], found[1], config
 
 
+def rotary_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the model's rotary keeps its inverse frequencies in: float32, unless the model was cast whole
+    (`model.to(torch.bfloat16)` rounds them, and RoPE then rotates by the rounded frequencies)."""
+    stack, _, config = _decoder(model)
+    buffers = [b for name, b in _rotary(stack, config).named_buffers() if name.endswith("inv_freq")]
+    return buffers[0].dtype if buffers else torch.float32
+
+
 def rotary_of(model: torch.nn.Module) -> tuple[Tensor, Tensor]:
     """Each decoder layer's rotary inverse frequencies `[L, F]` float32 (after the rotary's scaling: linear,
     llama3, YaRN) and attention scaling `[L]` float32, read from the model's rotary embedding module (Gemma 3:
@@ -183,10 +191,11 @@ def _query_module(attn: torch.nn.Module | None) -> tuple[str, torch.nn.Module] |
 
 def model_key(model: torch.nn.Module) -> str:
     """32 hex digits (blake2b, 16 bytes) identifying the model's queries: its config (as JSON with sorted keys,
-    less `VOLATILE_CONFIG` and every `_`-prefixed field) and, layer by layer, the name, shape and float32
-    bytes of every parameter of its query modules (`q_proj`, its bias, `q_norm`; `qkv_proj`). The same weights
-    give the same key in any process and in any dtype that holds them exactly (a bfloat16 checkpoint loaded in
-    float32); weights outside the query modules are not hashed."""
+    less `VOLATILE_CONFIG` and every `_`-prefixed field) and, layer by layer, the name, shape and bytes of every
+    parameter of its query modules (`q_proj`, its bias, `q_norm`; `qkv_proj`) rounded to bfloat16. The same
+    checkpoint gives the same key in any process and loaded in float32 or bfloat16 (a model calibrated in float32
+    and served in bfloat16 finds its statistics; float16 flushes small weights, so it may not); weights that
+    differ only below bfloat16's precision, or only outside the query modules, share a key."""
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps(_stable(model.config.to_dict()), sort_keys=True, default=str).encode())
     _, layers, _ = _decoder(model)
@@ -198,7 +207,8 @@ def model_key(model: torch.nn.Module) -> str:
                 continue
             for pname, param in sorted(module.named_parameters()):
                 h.update(f"{i}.{name}.{pname}:{tuple(param.shape)};".encode())
-                h.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+                rounded = param.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16)
+                h.update(rounded.numpy().tobytes())
     return h.hexdigest()
 
 

@@ -42,10 +42,12 @@ def with_stats(model: torch.nn.Module, config: VaSEConfig) -> VaSEConfig:
         stats = query_stats.load_stats(path)
     except ValueError as exc:
         raise ValueError(f"policy_options['stats']: {exc}") from None
-    check_fits(model, stats, inv_freq, scaling, path)
+    dtype = calibration.rotary_dtype(model)
+    check_fits(model, stats, inv_freq, scaling, path, dtype)
     if given:
         _warn_if_foreign(model, path)
-    return dataclasses.replace(config, policy_options={**config.policy_options, "stats": str(path)})
+    options = {**config.policy_options, "stats": str(path), "rotary_dtype": str(dtype).removeprefix("torch.")}
+    return dataclasses.replace(config, policy_options=options)
 
 
 def _warn_if_foreign(model: torch.nn.Module, path: Path) -> None:
@@ -73,10 +75,15 @@ def _missing(model: torch.nn.Module, policy: str, path: Path, given: Any) -> str
 
 
 def check_fits(
-    model: torch.nn.Module, stats: query_stats.QueryStats, inv_freq: torch.Tensor, scaling: torch.Tensor, path: Path
+    model: torch.nn.Module,
+    stats: query_stats.QueryStats,
+    inv_freq: torch.Tensor,
+    scaling: torch.Tensor,
+    path: Path,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """The statistics in `path` are for a model shaped like `model`, with its rotary (ValueError naming what
-    differs)."""
+    differs). A rotary kept in a lower precision (`dtype`) must hold the file's frequencies rounded to it."""
     config = calibration.text_config(model.config)
     layers, pairs = inv_freq.shape
     q_heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
@@ -91,7 +98,10 @@ def check_fits(
                 "of another model (run `vasepatch calibrate` on this one)"
             )
     rows = torch.arange(layers) * kv_heads  # each layer's first row: every head of a layer has its rotary
-    same = torch.allclose(stats.inv_freq[rows], inv_freq.float(), rtol=1e-5, atol=0)
+    if dtype == torch.float32:
+        same = torch.allclose(stats.inv_freq[rows], inv_freq.float(), rtol=1e-5, atol=0)
+    else:
+        same = torch.equal(stats.inv_freq[rows].to(dtype).float(), inv_freq.float())
     if not same or not torch.allclose(stats.scaling[rows], scaling.float(), rtol=1e-5, atol=0):
         raise ValueError(
             f"policy_options['stats']: {str(path)!r} was calibrated with another rotary (inverse frequencies or "

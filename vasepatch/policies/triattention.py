@@ -22,16 +22,18 @@ computed in the reference's order of operations.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated
 
 import torch
 from torch import Tensor
 
 from vasepatch.policies import query_stats
-from vasepatch.policies.options import Between
+from vasepatch.policies.options import Between, OneOf
 from vasepatch.policies.query_stats import QueryStats
 
 MAX_OFFSET = 1 << 24  # positions are exact in float32 below 2^24
+ROTARY_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def future_offsets(max_offset: int) -> list[float]:
@@ -107,11 +109,16 @@ def triattention(
     *,
     stats: str = "",
     max_offset: Annotated[int, Between(1, MAX_OFFSET)] = 65536,
+    rotary_dtype: Annotated[str, OneOf(ROTARY_DTYPES)] = "float32",
 ) -> Tensor:
     """TriAttention (`per_layer_perhead`, max over each KV head's query heads): keep the candidates whose keys
     the calibrated future queries would attend to most, averaged over the offsets 1, 2, 4, ... `max_offset`.
 
     `stats`: the file of the model's calibrated query statistics (`vasepatch calibrate`; `patch()` finds the
-    model's own when it is not given). No sinks or value protection; the window is kept as by every policy."""
-    table = query_stats.load_stats(stats)
-    return triattention_scores(keys, positions, valid, now, table.rows(head_ids), max_offset)
+    model's own when it is not given); `rotary_dtype`: the dtype the model's rotary holds its frequencies in
+    (`patch()` sets it: a model cast to bfloat16 rotates by the rounded ones, so the keys are un-rotated by the
+    file's frequencies rounded alike). No sinks or value protection; the window is kept as by every policy."""
+    rows = query_stats.load_stats(stats).rows(head_ids)
+    if rotary_dtype != "float32":
+        rows = dataclasses.replace(rows, inv_freq=rows.inv_freq.to(getattr(torch, rotary_dtype)).float())
+    return triattention_scores(keys, positions, valid, now, rows, max_offset)
