@@ -195,3 +195,36 @@ def test_a_bfloat16_rotary_is_undone_by_the_files_frequencies_rounded_alike(tmp_
                             head_ids=torch.tensor([[0]]), now=torch.full((1, 1), now))  # fmt: skip
         picks[dtype] = idx[0].sort(-1).values
     assert torch.equal(picks["bfloat16"], top) and not torch.equal(picks["float32"], top)
+
+
+def test_exact_ties_are_broken_by_keyed_noise_the_same_way_whatever_the_sharding(tmp_path):
+    """Two candidates z-score to exactly -1 and +1 for each query head: a KV head whose two query heads prefer
+    different ones ties at +1. The keyed tie noise (the authors add 1e-6) breaks the tie by (global head, slot),
+    so one process holding all four KV heads and two ranks holding two each keep the same slots."""
+    from vasepatch.policies.keyed import KeyedGenerator
+
+    path, _ = _write(tmp_path / "s.safetensors", layers=1, q_heads=8, kv_heads=4, dim=6, seed=5)
+    g = torch.Generator().manual_seed(5)  # a case where topk breaks the tie one way on 4 heads, another on 2
+    keys, positions = torch.randn(1, 4, 2, 6, generator=g), torch.tensor([0, 1]).expand(1, 4, 2)
+    valid = torch.ones(1, 4, 2, dtype=torch.bool)
+    policy = Policy("triattention", triattention.triattention, {"stats": str(path)})
+    now = torch.full((1, 4), 5)
+
+    def pick(heads: slice, offset: int) -> torch.Tensor:
+        generator = KeyedGenerator(0, 0, 0, offset)
+        ids = torch.arange(4)[heads].view(1, -1)
+        return policy.select(keys[:, heads], keys[:, heads], None, positions[:, heads], valid[:, heads], 1,
+                             generator, head_ids=ids, now=now[:, heads])  # fmt: skip
+
+    whole = pick(slice(0, 4), 0)
+    assert torch.equal(whole, torch.cat([pick(slice(0, 2), 0), pick(slice(2, 4), 2)], 1))
+    bare = Policy("triattention", triattention.triattention, {"stats": str(path), "tie_noise": 0.0})
+    tied = bare.priority(keys, positions, valid, torch.arange(4).view(1, 4), now, None, **bare.options)
+    assert bool((tied[..., 0] == tied[..., 1]).any())  # the case has a tie for the noise to break
+
+
+def test_a_file_that_is_not_safetensors_is_refused_by_name(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not tensors")
+    with pytest.raises(ValueError, match="is not a safetensors file"):
+        query_stats.load_stats(text)

@@ -118,7 +118,10 @@ def load_stats(path: str | os.PathLike) -> QueryStats:
 def _load(path: str, size: int, mtime_ns: int) -> QueryStats:
     from safetensors.torch import load_file
 
-    meta = read_metadata(path)
+    try:
+        meta = read_metadata(path)
+    except Exception as exc:  # safetensors' own error types: the file is not one of its files
+        raise ValueError(f"{path!r} is not a safetensors file ({exc})") from None
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path!r} is not a vasepatch query statistics file (format {meta.get('format')!r})")
     tensors = load_file(path)

@@ -28,8 +28,9 @@ from typing import Annotated
 import torch
 from torch import Tensor
 
-from vasepatch.policies import query_stats
-from vasepatch.policies.options import Between, OneOf
+from vasepatch.policies import query_stats, scoring
+from vasepatch.policies.keyed import draws_keyed_noise
+from vasepatch.policies.options import AtLeast, Between, OneOf
 from vasepatch.policies.query_stats import QueryStats
 
 MAX_OFFSET = 1 << 24  # positions are exact in float32 below 2^24
@@ -100,16 +101,19 @@ def triattention_scores(
     return zscore(future_scores(keys, positions, now, stats, max_offset), valid).amax(2)
 
 
+@draws_keyed_noise
 def triattention(
     keys: Tensor,
     positions: Tensor,
     valid: Tensor,
     head_ids: Tensor,
     now: Tensor,
+    generator: scoring.Randomness,
     *,
     stats: str = "",
     max_offset: Annotated[int, Between(1, MAX_OFFSET)] = 65536,
     rotary_dtype: Annotated[str, OneOf(ROTARY_DTYPES)] = "float32",
+    tie_noise: Annotated[float, AtLeast(0.0, finite=True)] = 1e-6,
 ) -> Tensor:
     """TriAttention (`per_layer_perhead`, max over each KV head's query heads): keep the candidates whose keys
     the calibrated future queries would attend to most, averaged over the offsets 1, 2, 4, ... `max_offset`.
@@ -117,8 +121,12 @@ def triattention(
     `stats`: the file of the model's calibrated query statistics (`vasepatch calibrate`; `patch()` finds the
     model's own when it is not given); `rotary_dtype`: the dtype the model's rotary holds its frequencies in
     (`patch()` sets it: a model cast to bfloat16 rotates by the rounded ones, so the keys are un-rotated by the
-    file's frequencies rounded alike). No sinks or value protection; the window is kept as by every policy."""
+    file's frequencies rounded alike); `tie_noise`: uniform noise of this size added to the z-scores, as the
+    authors add 1e-6, which breaks exact ties (two candidates z-score to exactly -1 and 1) the same way whatever
+    the sharding of the heads (`scoring.uniform_noise`; 0: none). No sinks or value protection; the window is
+    kept as by every policy."""
     rows = query_stats.load_stats(stats).rows(head_ids)
     if rotary_dtype != "float32":
         rows = dataclasses.replace(rows, inv_freq=rows.inv_freq.to(getattr(torch, rotary_dtype)).float())
-    return triattention_scores(keys, positions, valid, now, rows, max_offset)
+    scores = triattention_scores(keys, positions, valid, now, rows, max_offset)
+    return scores + tie_noise * scoring.uniform_noise(scores.shape, scores.device, generator)
