@@ -119,7 +119,9 @@ def _q_proj(attn, hidden):
 @pytest.mark.parametrize("chunk", [T, 7])
 def test_statistics_match_an_independent_computation(chunk):
     model = tiny_model("qwen2")  # q_proj has a bias
-    stats = calibration.collect(model, _ids(), chunk=chunk)
+    seen = []
+    stats = calibration.collect(model, _ids(), chunk=chunk, progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(min(t + chunk, T), T) for t in range(0, T, chunk)]  # one report per window read
     expected = _reference(model, _ids(), chunk, _q_proj)
     assert stats["q_mean"].shape == (2, 4, 8, 2) and stats["q_abs"].shape == (2, 4, 8)
     for name in ("q_mean", "q_abs"):

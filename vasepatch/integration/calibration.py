@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -282,12 +283,18 @@ def _chunk_for(config: Any, chunk: int) -> int:
     return min(chunk, limit) if isinstance(limit, int) and limit > 0 else chunk
 
 
-def collect(model: torch.nn.Module, input_ids: Tensor, chunk: int = DEFAULT_CHUNK) -> dict[str, Tensor]:
+def collect(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    chunk: int = DEFAULT_CHUNK,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Tensor]:
     """The calibration tensors of `model` over `input_ids` `[1, T]`: `q_mean` `[L, Hq, F, 2]` (mean over tokens
     of each pre-RoPE query pair, real and imaginary), `q_abs` `[L, Hq, F]` (mean of the pair's magnitude),
     `inv_freq` `[L, F]` and `scaling` `[L]` (`rotary_of`), all float32 on the CPU. The ids are read in
     independent windows of `chunk` tokens (at most `max_position_embeddings`), each its own forward pass
-    without a cache. The hooks are removed afterwards, also on error."""
+    without a cache; `progress(done, total)` is called with the tokens read after each. The hooks are removed
+    afterwards, also on error."""
     config = text_config(model.config)
     check_input_ids(input_ids, getattr(config, "vocab_size", None), chunk)
     inv_freq, scaling = rotary_of(model)  # refuses an unsupported RoPE before any forward pass
@@ -302,6 +309,8 @@ def collect(model: torch.nn.Module, input_ids: Tensor, chunk: int = DEFAULT_CHUN
             for start in range(0, input_ids.shape[1], window):
                 ids = input_ids[:, start : start + window].to(device)
                 stack(input_ids=ids, use_cache=False)
+                if progress is not None:
+                    progress(start + ids.shape[1], input_ids.shape[1])
     finally:
         for handle in handles:
             handle.remove()
@@ -318,18 +327,20 @@ def calibrate(
     path: str | Path | None = None,
     metadata: dict[str, Any] | None = None,
     chunk: int = DEFAULT_CHUNK,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """`collect` the statistics of `model` over `input_ids` `[1, T]` and write them (`save_stats`) to `path`,
     default `stats_path(model)`; then read the file back (`load_stats`) and check it holds what was computed.
     The metadata records the model, its key, the tokens, the window, whether `q_norm` was applied, the
     versions, and `text_source`/`text_sha256` (default: the ids themselves); `metadata` adds to it or
-    replaces those entries (not `format`, `kv_heads`, `model_key`). Returns the path written."""
+    replaces those entries (not `format`, `kv_heads`, `model_key`); `progress`: as `collect`'s. Returns the path
+    written."""
     from vasepatch.policies.query_stats import TENSORS, QueryStats, load_stats, save_stats
 
     bad = [k for k in metadata or {} if k in RESERVED_METADATA]
     if bad:
         raise ValueError(f"metadata must not set {', '.join(bad)} (calibrate writes {', '.join(RESERVED_METADATA)})")
-    tensors = collect(model, input_ids, chunk)
+    tensors = collect(model, input_ids, chunk, progress)
     key = model_key(model)
     config = text_config(model.config)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -152,7 +152,12 @@ def run(args: argparse.Namespace) -> None:
         "text_sha256": sha256,
     }
     start = time.perf_counter()
-    path = calibrate(model, torch.tensor([ids]), path=args.out, metadata=meta)
+    path = calibrate(model, torch.tensor([ids]), path=args.out, metadata=meta, progress=_report)
     seconds = time.perf_counter() - start
     print(path)
     print(f"{len(ids)} tokens of {source} in {seconds:.1f} s; {human_bytes(path.stat().st_size)}")
+
+
+def _report(done: int, total: int) -> None:
+    """One line on stderr per calibration window read."""
+    print(f"calibrating: {done}/{total} tokens", file=sys.stderr, flush=True)
