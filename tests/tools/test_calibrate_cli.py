@@ -19,15 +19,6 @@ from vasepatch.tools import calibrate
 from vasepatch.tools.cli import main
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny Llama (1,024 positions) with the offline character tokenizer, saved as an HF directory."""
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    tiny_model("llama").save_pretrained(path)
-    tiny_tokenizer(VOCAB).save_pretrained(path)
-    return path
-
-
 @pytest.fixture
 def no_load(monkeypatch):
     """Fails the test if the weights load."""

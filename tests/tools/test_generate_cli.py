@@ -24,17 +24,6 @@ def _bytes(text: str) -> float:
     return float(number) * UNITS[unit]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny Llama with the offline character tokenizer (chat template included), saved as an HF directory."""
-    from tests.tiny_models import tiny_model
-
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    tiny_model("llama").save_pretrained(path)
-    tiny_tokenizer(VOCAB).save_pretrained(path)
-    return path
-
-
 def _generate(model_dir, *extra: str) -> list[str]:
     return ["generate", "--model", str(model_dir), "--budget", "16", "--window", "4", "--threads", "1",
             "--max-new-tokens", str(TOKENS), *extra]  # fmt: skip
