@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vasepatch.policies.base import head_ids
+
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -26,11 +28,10 @@ class LayerPlan:
     kv_heads: int = 0
 
     def head_ids(self, local_heads: int, batch: int, device: torch.device) -> torch.Tensor:
-        """`[batch, local_heads]` int64: the policies' `head_ids` of this process's heads of the layer,
-        `index * kv_heads + head_offset + h`."""
-        total = self.kv_heads or local_heads
-        ids = torch.arange(local_heads, device=device) + (self.index * total + self.head_offset)
-        return ids.expand(batch, local_heads)
+        """`[batch, local_heads]` int64: the policies' `head_ids` of this process's heads of the layer
+        (`policies.base.head_ids`)."""
+        layer = torch.tensor([self.index], device=device)
+        return head_ids(layer, local_heads, self.head_offset, self.kv_heads).expand(batch, local_heads)
 
 
 def default_plans(num_layers: int) -> tuple[LayerPlan, ...]:

@@ -137,6 +137,14 @@ class Policy:
         return scoring.top_k_by_priority(ranked(priority, valid), n_keep)
 
 
+def head_ids(layers: torch.Tensor, heads: int, head_offset: int = 0, kv_heads: int = 0) -> torch.Tensor:
+    """`[R, heads]` int64 on `layers`' device: the `head_ids` input of rows of the layers `layers` (`[R]`) whose
+    heads are the global KV heads `head_offset .. head_offset + heads - 1`: `layer * K + head_offset + h`, with
+    `K` = `kv_heads`, the model's KV heads per layer (0: `heads`, a process that holds them all)."""
+    total = kv_heads or heads
+    return layers.view(-1, 1) * total + head_offset + torch.arange(heads, device=layers.device).view(1, -1)
+
+
 def head_inputs(
     positions: torch.Tensor, valid: torch.Tensor, head_ids: torch.Tensor | None, now: torch.Tensor | None
 ) -> dict[str, torch.Tensor]:

@@ -30,7 +30,7 @@ import torch
 from vasepatch.cache.slots import gather_slots
 from vasepatch.config import VaSEConfig
 from vasepatch.policies import Policy
-from vasepatch.policies.base import kept_slots
+from vasepatch.policies.base import head_ids, kept_slots
 from vasepatch.policies.keyed import KeyedGenerator, StackedKeyedGenerator, marked_keyed
 from vasepatch.vllm import paged_layout
 
@@ -86,7 +86,7 @@ def compact(
         valid = torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device)
         where = positions[layer : layer + 1].to(keys.device)
         generator = KeyedGenerator(config.seed, layer, rounds, head_offset, keys.device)
-        ids = head_ids(torch.tensor([layer]), keys.shape[1], head_offset, kv_heads, keys.device)
+        ids = _head_ids(policy, torch.tensor([layer], device=keys.device), keys.shape[1], head_offset, kv_heads)
         kept = kept_slots(
             policy, *(t[:, :, fixed:] for t in (keys, values)), where, valid[:, :, fixed:],
             queries[layer : layer + 1], n - pinned, config.budget, config.window, generator, ids,
@@ -97,12 +97,9 @@ def compact(
     return torch.stack(kept_positions)
 
 
-def head_ids(layers: torch.Tensor, heads: int, head_offset: int, kv_heads: int, device: torch.device) -> torch.Tensor:
-    """`[R, heads]` int64: the policies' `head_ids` of rows of `layers` (`[R]`): `layer * K + head_offset + h`,
-    `K` = `kv_heads` or, when 0, `heads` (this rank's)."""
-    total = kv_heads or heads
-    ids = layers.view(-1, 1) * total + head_offset + torch.arange(heads).view(1, -1)
-    return ids.to(device)
+def _head_ids(policy: Policy, layers: torch.Tensor, heads: int, head_offset: int, kv_heads: int) -> torch.Tensor | None:
+    """The `head_ids` of rows of `layers` for a policy that reads them (`policies.base.head_ids`), else None."""
+    return head_ids(layers, heads, head_offset, kv_heads) if "head_ids" in policy.inputs else None
 
 
 @dataclass(frozen=True)
@@ -174,8 +171,8 @@ def compact_stacked(
         [(d.seed, layer, d.round) for layer in range(layers) for d in dues], head_offset, keys.device
     )
     valid = torch.ones(where.shape, dtype=torch.bool, device=keys.device)
-    rows_layer = torch.arange(layers).repeat_interleave(count)  # rows are (layer, request), layer-major
-    ids = head_ids(rows_layer, keys.shape[1], head_offset, kv_heads, keys.device)
+    rows_layer = torch.arange(layers, device=keys.device).repeat_interleave(count)  # rows (layer, request)
+    ids = _head_ids(policy, rows_layer, keys.shape[1], head_offset, kv_heads)
     kept = kept_slots(
         policy, keys[:, :, fixed:], values[:, :, fixed:], where, valid, queries,
         candidates, config.budget, config.window, generator, ids,
