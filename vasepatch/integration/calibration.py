@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vasepatch.integration.families import attention_module, find_decoder
+from vasepatch.integration.families import attention_module, find_decoder, text_config
 
 POLICY = "triattention"
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -51,12 +51,6 @@ def _refusal(config: Any, why: str) -> ValueError:
     name = getattr(config, "_name_or_path", "") or "this model"
     kind = getattr(config, "model_type", "") or "unknown"
     return ValueError(f"{POLICY} cannot calibrate {name} (model type {kind}): {why}")
-
-
-def text_config(config: Any) -> Any:
-    """The decoder's config: `config.get_text_config()` where it has one (a multimodal config), else `config`."""
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
 
 
 def _layer_count(config: Any) -> int:

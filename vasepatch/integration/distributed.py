@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from vasepatch.errors import UnsupportedModelError
-from vasepatch.integration.families import ModelLayout
+from vasepatch.integration.families import ModelLayout, text_config
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,6 @@ class Sharding:
     def stats(self, kv_bytes: int) -> dict[str, int]:
         """`kv_bytes_total` (all ranks, computed: the shards are even), `world_size`, `rank`."""
         return {"kv_bytes_total": kv_bytes * self.world_size, "world_size": self.world_size, "rank": self.rank}
-
-
-def _text_config(model: torch.nn.Module) -> Any:
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _split(weight: Any) -> tuple[int, int]:
@@ -75,7 +70,7 @@ def _local_rows(weight: torch.Tensor) -> int:
 def sharding(model: torch.nn.Module, layout: ModelLayout) -> Sharding:
     """This process's share of the KV heads; `UnsupportedModelError` (before any change) when
     the heads do not split evenly over the tensor-parallel ranks, or the layers disagree."""
-    text = _text_config(model)
+    text = text_config(model.config)
     total_q = text.num_attention_heads
     total_kv = getattr(text, "num_key_value_heads", None) or total_q
     splits = set()

@@ -97,6 +97,12 @@ def _layer_list(stack: object) -> torch.nn.ModuleList | None:
     return None
 
 
+def text_config(config: object) -> object:
+    """The decoder's config: `config.get_text_config()` where it has one (a multimodal config), else `config`."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def find_decoder(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList] | None:
     """The decoder stack (the module that holds the decoder layers and builds the masks) and its layers."""
     candidates: list[object] = []

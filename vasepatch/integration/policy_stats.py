@@ -19,6 +19,7 @@ import torch
 from vasepatch import policies
 from vasepatch.config import FULL, VaSEConfig
 from vasepatch.integration import calibration
+from vasepatch.integration.families import text_config
 from vasepatch.policies import query_stats
 
 
@@ -84,7 +85,7 @@ def check_fits(
 ) -> None:
     """The statistics in `path` are for a model shaped like `model`, with its rotary (ValueError naming what
     differs). A rotary kept in a lower precision (`dtype`) must hold the file's frequencies rounded to it."""
-    config = calibration.text_config(model.config)
+    config = text_config(model.config)
     layers, pairs = inv_freq.shape
     q_heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
     kv_heads = kv_heads or q_heads

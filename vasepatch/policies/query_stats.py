@@ -18,7 +18,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 FORMAT = "vasepatch-query-stats-1"
@@ -128,8 +127,3 @@ def _load(path: str, size: int, mtime_ns: int) -> QueryStats:
     kv_heads = int(meta["kv_heads"])
     check_shapes(tensors, kv_heads)
     return QueryStats.from_layers(*(tensors[k] for k in TENSORS), kv_heads=kv_heads)
-
-
-def to_device(stats: QueryStats, device: torch.device) -> QueryStats:
-    """`stats` with every tensor on `device`."""
-    return QueryStats(*(t.to(device) for t in (stats.q_mean, stats.q_abs, stats.inv_freq, stats.scaling)))
