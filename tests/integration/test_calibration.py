@@ -15,6 +15,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from tests.tiny_models import COMMON, VOCAB, tiny_model
 from vasepatch.integration import calibration
+from vasepatch.policies import rope
 from vasepatch.policies.query_stats import load_stats, read_metadata
 
 T = 24
@@ -58,6 +59,30 @@ def test_gemma3_takes_each_layer_types_rotary():
     assert torch.allclose(inv_freq[0], _default_inv_freq(10000.0, 16))  # local
     assert torch.allclose(inv_freq[1], _default_inv_freq(1_000_000.0, 16))  # global
     assert scaling.tolist() == [1.0, 1.0]
+
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 5000.0},
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 256},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ROPES)
+def test_the_config_alone_gives_the_rotary_the_model_rotates_by(kind):
+    """`rope.config_rotary` (what the vLLM plugin checks a statistics file against, with no transformers model)
+    equals the frequencies and scaling read from the model's own rotary module, for every rope type it inverts,
+    and Gemma 3's per-layer-type rotaries."""
+    model = tiny_model("llama", rope_parameters=ROPES[kind])
+    inv_freq, scaling = rope.config_rotary(model.config)
+    want_freq, want_scaling = calibration.rotary_of(model)
+    assert torch.equal(inv_freq, want_freq) and torch.equal(scaling, want_scaling)
+    gemma = _family("gemma3_text", head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    pairs = zip(rope.config_rotary(gemma.config), calibration.rotary_of(gemma), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
 
 
 REFUSED = [

@@ -15,7 +15,7 @@ default to `stats_path(model)`: `cache_dir()/triattention/<model_key>.safetensor
   first tokens see less context than they would in one long pass.
 - `rotary_of` refuses, with a ValueError naming the policy, any model whose RoPE the policy cannot invert:
   no rotary (ALiBi, absolute positions), partial rotary, interleaved pairs (GPT-J's `rotate_every_two`,
-  Cohere), rope types other than `ROPE_TYPES` (dynamic NTK, longrope, mrope), and layers without RoPE.
+  Cohere), rope types other than `rope.ROPE_TYPES` (dynamic NTK, longrope, mrope), and layers without RoPE.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch
 from torch import Tensor
 
 from vasepatch.integration.families import attention_module, find_decoder, text_config
+from vasepatch.policies import rope
+from vasepatch.policies.rope import POLICY
+from vasepatch.policies.rope import refusal as _refusal
 
-POLICY = "triattention"
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-"""The rope types whose rotation is a fixed angle `position * inv_freq` per pair (scaled or not)."""
 DEFAULT_CHUNK = 4096
 """Tokens per independent calibration window."""
 VOLATILE_CONFIG = frozenset(
@@ -47,51 +47,10 @@ VOLATILE_CONFIG = frozenset(
 them changes the queries of a given set of weights."""
 
 
-def _refusal(config: Any, why: str) -> ValueError:
-    name = getattr(config, "_name_or_path", "") or "this model"
-    kind = getattr(config, "model_type", "") or "unknown"
-    return ValueError(f"{POLICY} cannot calibrate {name} (model type {kind}): {why}")
-
-
-def _layer_count(config: Any) -> int:
-    return int(getattr(config, "num_hidden_layers", 0) or 0)
-
-
-def layer_rope_parameters(config: Any) -> list[dict]:
-    """Each layer's `rope_parameters` (a dict with `rope_type`): one dict for all layers, or one per layer type
-    (Gemma 3: `config.rope_parameters[config.layer_types[i]]`). ValueError for a model without RoPE."""
-    params = getattr(config, "rope_parameters", None)
-    if not params:
-        if getattr(config, "rotary_dim", None) is not None:  # GPT-J, CodeGen: rotate_every_two, partial
-            raise _refusal(config, "its RoPE is interleaved (GPT-J's rotate_every_two), not half-split")
-        raise _refusal(config, "it has no rotary position embedding (ALiBi or absolute positions)")
-    layers = _layer_count(config)
-    if all(isinstance(v, dict) or v is None for v in params.values()):
-        types = list(getattr(config, "layer_types", None) or [])
-        if len(types) != layers or any(params.get(t) is None for t in types):
-            raise _refusal(config, f"its per-layer-type rope_parameters {sorted(params)} do not cover its layers")
-        return [dict(params[t]) for t in types]
-    return [dict(params)] * layers
-
-
 def check_rope(config: Any) -> None:
-    """ValueError naming the reason if the config's RoPE is not one `triattention` can invert (from the config
-    alone, before any weight loads): no rotary, a rope type outside `ROPE_TYPES`, partial rotary, NoPE layers."""
-    config = text_config(config)
-    per_layer = layer_rope_parameters(config)
-    for i, params in enumerate(per_layer):
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise _refusal(
-                config, f"layer {i} has rope type {rope_type!r}; only {', '.join(ROPE_TYPES)} have fixed frequencies"
-            )
-        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
-        if factor < 1:
-            raise _refusal(config, f"its RoPE is partial (partial_rotary_factor {factor}): it rotates part of a head")
-    nope = getattr(config, "no_rope_layers", None)
-    if nope is not None and not all(nope):
-        missing = [i for i, uses_rope in enumerate(nope) if not uses_rope]
-        raise _refusal(config, f"layers {missing} have no RoPE (no_rope_layers)")
+    """`rope.check_rope` on the model's text config (a multimodal model's `text_config`): ValueError naming why the
+    policy cannot invert the config's RoPE, from the config alone, before any weight loads."""
+    rope.check_rope(text_config(config))
 
 
 def _check_half_split(attn: torch.nn.Module, config: Any) -> None:

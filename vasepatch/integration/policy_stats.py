@@ -83,28 +83,9 @@ def check_fits(
     path: Path,
     dtype: torch.dtype = torch.float32,
 ) -> None:
-    """The statistics in `path` are for a model shaped like `model`, with its rotary (ValueError naming what
-    differs). A rotary kept in a lower precision (`dtype`) must hold the file's frequencies rounded to it."""
+    """The statistics in `path` are for a model shaped like `model`, with its rotary (`query_stats.check_fits`:
+    ValueError naming `policy_options['stats']` and what differs)."""
     config = text_config(model.config)
-    layers, pairs = inv_freq.shape
-    q_heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-    kv_heads = kv_heads or q_heads
-    want = {"rows (layers x KV heads)": layers * kv_heads, "query heads per KV head": q_heads // kv_heads}
-    got = {"rows (layers x KV heads)": stats.q_mean.shape[0], "query heads per KV head": stats.q_mean.shape[1]}
-    want["frequency pairs"], got["frequency pairs"] = pairs, stats.q_mean.shape[2]
-    for what, value in want.items():
-        if got[what] != value:
-            raise ValueError(
-                f"policy_options['stats']: {str(path)!r} has {got[what]} {what}, this model {value}: the statistics "
-                "of another model (run `vasepatch calibrate` on this one)"
-            )
-    rows = torch.arange(layers) * kv_heads  # each layer's first row: every head of a layer has its rotary
-    if dtype == torch.float32:
-        same = torch.allclose(stats.inv_freq[rows], inv_freq.float(), rtol=1e-5, atol=0)
-    else:
-        same = torch.equal(stats.inv_freq[rows].to(dtype).float(), inv_freq.float())
-    if not same or not torch.allclose(stats.scaling[rows], scaling.float(), rtol=1e-5, atol=0):
-        raise ValueError(
-            f"policy_options['stats']: {str(path)!r} was calibrated with another rotary (inverse frequencies or "
-            "attention scaling) than this model's: its RoPE scaling changed since; calibrate it again"
-        )
+    q_heads = config.num_attention_heads
+    shape = (inv_freq.shape[0], q_heads, getattr(config, "num_key_value_heads", None) or q_heads)
+    query_stats.check_fits(stats, shape, inv_freq, scaling, f"policy_options['stats']: {str(path)!r}", dtype)

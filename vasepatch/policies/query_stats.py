@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 FORMAT = "vasepatch-query-stats-1"
@@ -88,6 +89,39 @@ def check_shapes(tensors: dict[str, Tensor], kv_heads: int) -> None:
             raise ValueError(f"query statistics: {name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
     if kv_heads < 1 or q_heads % kv_heads:
         raise ValueError(f"query statistics: {q_heads} query heads are not a multiple of kv_heads={kv_heads}")
+
+
+def check_fits(
+    stats: QueryStats,
+    model: tuple[int, int, int],
+    inv_freq: Tensor,
+    scaling: Tensor,
+    where: str,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """The statistics are for a model of `model` = `(layers, query heads, KV heads)` whose rotary has `inv_freq`
+    `[L, F]` and `scaling` `[L]` (ValueError starting with `where`, naming what differs). A rotary kept in a
+    lower precision (`dtype`) must hold the file's frequencies rounded to it."""
+    layers, q_heads, kv_heads = model
+    want = {"rows (layers x KV heads)": layers * kv_heads, "query heads per KV head": q_heads // kv_heads}
+    got = {"rows (layers x KV heads)": stats.q_mean.shape[0], "query heads per KV head": stats.q_mean.shape[1]}
+    want["frequency pairs"], got["frequency pairs"] = inv_freq.shape[1], stats.q_mean.shape[2]
+    for what, value in want.items():
+        if got[what] != value:
+            raise ValueError(
+                f"{where} has {got[what]} {what}, this model {value}: the statistics of another model (run "
+                "`vasepatch calibrate` on this one)"
+            )
+    rows = torch.arange(layers) * kv_heads  # each layer's first row: every head of a layer has its rotary
+    if dtype == torch.float32:
+        same = torch.allclose(stats.inv_freq[rows], inv_freq.float(), rtol=1e-5, atol=0)
+    else:
+        same = torch.equal(stats.inv_freq[rows].to(dtype).float(), inv_freq.float())
+    if not same or not torch.allclose(stats.scaling[rows], scaling.float(), rtol=1e-5, atol=0):
+        raise ValueError(
+            f"{where} was calibrated with another rotary (inverse frequencies or attention scaling) than this "
+            "model's: its RoPE scaling changed since; calibrate it again"
+        )
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
