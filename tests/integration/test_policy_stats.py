@@ -1,6 +1,6 @@
 """`patch(model, policy="triattention")`: the statistics file it reads (the model's own from `vasepatch
-calibrate`, or `policy_options["stats"]`), checked against the model before anything is patched; and the vLLM
-plugin's refusal of a policy that reads statistics."""
+calibrate`, or `policy_options["stats"]`), checked against the model before anything is patched. The vLLM
+plugin's side: `tests/vllm/test_plugin_stats.py`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import vasepatch
 from tests.tiny_models import VOCAB, tiny_model
 from vasepatch.integration import calibration
 from vasepatch.policies import query_stats
-from vasepatch.vllm import settings
 
 GEN = dict(max_new_tokens=30, do_sample=False, pad_token_id=0)
 
@@ -104,21 +103,6 @@ def test_other_policies_read_no_statistics(cache_dir):
     with vasepatch.patched(model, budget=16, window=4, policy="vase") as handle:
         assert handle.config.policy_options == {}
     assert not cache_dir.exists()
-
-
-@pytest.mark.parametrize("where", ["request", "engine"])
-def test_the_vllm_plugin_refuses_a_policy_that_reads_statistics(where):
-    request = {"vasepatch_budget": 64, "vasepatch_window": 16}
-    engine = {}
-    if where == "request":
-        request["vasepatch_policy"] = "triattention"
-    else:
-        engine = {"vasepatch": {"policy": "triattention", "budget": 64, "window": 16}}
-    with pytest.raises(settings.SettingsError, match="reads calibrated statistics, which the vLLM plugin") as err:
-        settings.resolve(engine, request, None)
-    assert err.value.parameter == (
-        "vasepatch_policy" if where == "request" else "additional_config['vasepatch']['policy']"
-    )
 
 
 def test_a_cache_of_other_settings_on_a_patched_model_gets_the_models_statistics(cache_dir):

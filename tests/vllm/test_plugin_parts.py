@@ -521,14 +521,17 @@ def test_positions_start_over_after_a_preemption():
     assert torch.equal(fresh, torch.arange(20).expand(2, 3, 20))
 
 
-@pytest.mark.parametrize("policy_name", ["vase", "snapkv", "streaming"])
+@pytest.mark.parametrize("policy_name", ["vase", "snapkv", "streaming", "triattention"])
 def test_ranks_evict_their_heads_as_one_rank_evicts_all(policy_name):
     """Tensor parallelism: rank r holds KV heads [r * h, (r + 1) * h) and keys its noise by the global head
-    (`head_offset = rank * heads per rank`): two ranks of 2 heads keep what one rank of 4 keeps."""
+    (`head_offset = rank * heads per rank`): two ranks of 2 heads keep what one rank of 4 keeps. `triattention`
+    reads its statistics by `head_ids` (`layer * total KV heads + global head`): the worker passes the model's
+    KV heads over all ranks, without which a rank reads other heads' rows."""
     torch.manual_seed(1)
     layers, heads, ranks, groups, d, bs = 2, 4, 2, 2, 8, 8
     budget, window, n = 24, 8, 40
-    config = VaSEConfig(budget=budget, window=window, policy=policy_name, seed=5)
+    options = options_for(policy_name, layers=layers, q_heads=heads * groups, kv_heads=heads, head_dim=d)
+    config = VaSEConfig(budget=budget, window=window, policy=policy_name, seed=5, policy_options=options)
     policy = policies.for_config(config)
     caches = [torch.randn(6, heads, bs, 2 * d) for _ in range(layers)]
     blocks = torch.tensor([4, 0, 3, 1, 5])
@@ -541,11 +544,17 @@ def test_ranks_evict_their_heads_as_one_rank_evicts_all(policy_name):
         mine = slice(rank * per, (rank + 1) * per)
         shard = [c[:, mine].clone() for c in caches]
         q = queries[:, rank * per * groups : (rank + 1) * per * groups]
-        offset = WorkerEviction(rank, heads_per_rank=per).head_offset
-        got = compaction.compact(shard, blocks, n, q, positions[:, mine], config, policy, 2, head_offset=offset)
+        worker = WorkerEviction(rank, heads_per_rank=per, kv_heads=heads)
+        where = dict(head_offset=worker.head_offset, kv_heads=worker.kv_heads)
+        got = compaction.compact(shard, blocks, n, q, positions[:, mine], config, policy, 2, **where)
         assert torch.equal(got, want[:, mine])
         for layer in range(layers):
             assert torch.equal(shard[layer], one_rank[layer][:, mine])
+    if policy_name == "triattention":  # the total matters: a rank's own count reads layer 1 from other rows
+        shard = [c[:, per:].clone() for c in caches]
+        q = queries[:, per * groups :]
+        got = compaction.compact(shard, blocks, n, q, positions[:, per:], config, policy, 2, head_offset=per)
+        assert not torch.equal(got[1], want[1, per:])
 
 
 # --- prefill="pin": the prompt's blocks untouched, only the generated slots evicted -------------------------
@@ -926,7 +935,7 @@ def test_a_stacked_eviction_reads_the_runners_cache_layout(monkeypatch):
     caches, dues, configs, _, _ = _stack_case("vase", torch.float32, pins=False)
     seen = []
 
-    def stacked(caches, chunk, config, policy, head_offset=0, isa="vec"):
+    def stacked(caches, chunk, config, policy, head_offset=0, isa="vec", kv_heads=0):
         seen.append(isa)
         return [torch.zeros(0)] * len(chunk)
 
@@ -939,7 +948,7 @@ def test_a_stacked_eviction_reads_the_runners_cache_layout(monkeypatch):
 class _Worker:
     """A stand-in for the worker's `WorkerEviction`: records what the wraps hand it."""
 
-    def __init__(self, rank, heads):
+    def __init__(self, rank, heads, kv_heads):
         self.seen, self.generators_restored = [], 0
         self.rings = SimpleNamespace(clear_plan=lambda: None)
 
@@ -967,7 +976,7 @@ def _fake_runner_modules(monkeypatch, calls):
 
     runner = type("GPUModelRunner", (), {n: method(n) for n in ("_update_states", "_prepare_inputs", "_sample",
                   "_on_request_state_removed", "_bookkeeping_sync", "execute_model", "sample_tokens")})  # fmt: skip
-    runner.model_config = SimpleNamespace(get_num_kv_heads=lambda parallel: 2)
+    runner.model_config = SimpleNamespace(get_num_kv_heads=lambda parallel: 2, get_total_num_kv_heads=lambda: 4)
     runner.parallel_config = None
     attention = type("CPUAttentionBackendImpl", (), {"forward": method("forward")})
     scheduler = type("Scheduler", (), {"update_from_output": method("update_from_output")})

@@ -29,10 +29,24 @@ def evicting(policy: str, **more) -> dict:
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_path):
+def stats(smollm2_path, prompt, tmp_path_factory) -> str:
+    """SmolLM2's query statistics (`triattention`), calibrated on the test prompt: a file of the model's shapes and
+    rotary, which the engine checks when it starts."""
+    from transformers import AutoModelForCausalLM
+
+    from vasepatch.integration import calibration
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    path = tmp_path_factory.mktemp("stats") / "smollm2.safetensors"
+    return str(calibration.calibrate(model, torch.tensor([prompt]), path=path))
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path, stats):
     # every prompt of a test prefills in one step, so chunking plays no part in these comparisons (seeded chunked
-    # prefills: test_vllm_seeded.py)
-    with engine(smollm2_path, disable_log_stats=False, max_num_batched_tokens=8192) as llm:
+    # prefills: test_vllm_seeded.py). The engine names a statistics file, which turns no eviction on by itself.
+    config = {"vasepatch": {"stats": stats}}
+    with engine(smollm2_path, disable_log_stats=False, max_num_batched_tokens=8192, additional_config=config) as llm:
         yield llm
 
 
@@ -75,6 +89,23 @@ def test_tokens_equal_the_transformers_cache(llm, smollm2_path, prompt, policy, 
     assert got == want
     full = vllm_tokens(llm, [prompt], SamplingParams(max_tokens=NEW, min_tokens=NEW, temperature=0))[0]
     assert full != got  # the evictions changed the text: the comparison above is not vacuous
+
+
+@pytest.mark.timeout(600)
+def test_triattention_tokens_equal_the_transformers_cache(llm, smollm2_path, prompt, stats):
+    """`triattention` on the engine's statistics file (`additional_config["vasepatch"]["stats"]`) keeps what
+    `vasepatch.patch` keeps with the same file: its un-rotation reads the positions the plugin tracks, which after
+    the first eviction are no longer the slots'."""
+    want = transformers_tokens(
+        smollm2_path, prompt, budget=BUDGET, window=WINDOW, policy="triattention", policy_options={"stats": stats}
+    )
+    before = llm.collective_rpc(worker_state)[0]["evictions"]
+    params = SamplingParams(max_tokens=NEW, min_tokens=NEW, temperature=0, extra_args=evicting("triattention"))
+    (got,) = vllm_tokens(llm, [prompt], params)
+    assert llm.collective_rpc(worker_state)[0]["evictions"] - before >= 2
+    assert got == want
+    streaming = transformers_tokens(smollm2_path, prompt, budget=BUDGET, window=WINDOW, policy="streaming")
+    assert streaming != got  # the policy's choice shows in the tokens: the comparison above is not vacuous
 
 
 @pytest.mark.timeout(600)

@@ -148,7 +148,8 @@ CONTRACTS: tuple[Contract, ...] = (
         "GPUModelRunner._update_states", "self, scheduler_output",
         ("SchedulerOutput.preempted_req_ids", "GPUModelRunner.requests", "GPUModelRunner.vllm_config",
          "GPUModelRunner.model_config", "GPUModelRunner.parallel_config", "ModelConfig.get_num_kv_heads(self, "
-         "parallel_config, arch_config=)", "get_tensor_model_parallel_rank()", "CachedRequestState.sampling_params",
+         "parallel_config, arch_config=)", "ModelConfig.get_total_num_kv_heads(self)",
+         "get_tensor_model_parallel_rank()", "CachedRequestState.sampling_params",
          "CachedRequestState.block_ids", "GPUModelRunner.compilation_config", "GPUModelRunner.kv_cache_config",
          "CompilationConfig.static_forward_context", "KVCacheConfig.kv_cache_groups", "KVCacheGroupSpec.layer_names",
          "KVCacheGroupSpec.kv_cache_spec", "KVCacheSpec.block_size", "Attention.kv_cache", "Attention.impl",

@@ -211,7 +211,8 @@ def _worker(runner: Any) -> WorkerEviction:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         heads = runner.model_config.get_num_kv_heads(runner.parallel_config)
-        state = WorkerEviction(get_tensor_model_parallel_rank(), heads)
+        total = runner.model_config.get_total_num_kv_heads()
+        state = WorkerEviction(get_tensor_model_parallel_rank(), heads, total)
         runner.vasepatch = state
         global _CURRENT
         _CURRENT = state

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from vasepatch.policies import query_stats, rope
 from vasepatch.vllm import LOG, paged_layout, settings
 from vasepatch.vllm import engine_access as access
 
@@ -131,6 +132,7 @@ def check_engine(vllm_config: Any) -> None:
         ) from None
     limits(vllm_config)  # the operator's caps, checked whether or not the engine evicts by default
     settings.evictions_per_step(additional)
+    check_stats(vllm_config)  # the statistics file, whether or not the engine's own policy reads it
     if config is None:  # no defaults, or policy "full": checked when a request asks for eviction
         return
     engine, by_setting = problems(vllm_config), config_problems(vllm_config, config)
@@ -141,6 +143,27 @@ def check_engine(vllm_config: Any) -> None:
             + "; ".join(engine + list(by_setting.values())),
             where,
         )
+
+
+def check_stats(vllm_config: Any) -> None:
+    """The engine's query statistics file (`settings.engine_stats`), when it names one, is for its model: a file
+    `load_stats` reads, with the model's layers, query heads per KV head and frequency pairs, and its rotary (from
+    the model's config, `rope.config_rotary`, which also refuses a RoPE the policies cannot invert).
+    SettingsError naming the key. The query weights it was calibrated on cannot be checked here: the operator's
+    file is taken as the model's."""
+    path = settings.engine_stats(vllm_config.additional_config)
+    if path is None:
+        return
+    model, where = vllm_config.model_config, settings.STATS_WHERE
+    config = model.hf_text_config
+    try:
+        stats = query_stats.load_stats(path)
+        inv_freq, scaling = rope.config_rotary(config)
+        shape = (inv_freq.shape[0], config.num_attention_heads, model.get_total_num_kv_heads())
+        query_stats.check_fits(stats, shape, inv_freq, scaling, f"{where}: {path!r}")
+    except ValueError as exc:
+        message = str(exc) if str(exc).startswith(where) else f"{where}: {exc}"
+        raise settings.SettingsError(message, where) from None
 
 
 def engine_default(vllm_config: Any) -> Any:

@@ -18,6 +18,10 @@ them, so the API server, the scheduler and the workers read the same settings th
   query rings of the requests in flight together: a request whose rings would pass it waits.
 - Scheduling, engine-only (`SCHEDULE_FIELDS`): `evictions_per_step` spreads the evictions of requests that
   would all evict at one step over the steps before it (`evictions_per_step`, `scheduler_side.spread`).
+- Statistics, engine-only (`STATS_FIELDS`): `stats`, the file of the model's calibrated query statistics
+  (`vasepatch calibrate MODEL`) that every request whose policy reads one (`triattention`) reads. Only the
+  operator names it: a per-request path would let HTTP clients name files on the server. The engine checks it
+  against its model when it starts (`requirements.check_stats`).
 
 Every value is checked as `VaSEConfig` checks it, with the same messages, plus the policy's options
 (`vasepatch.policies.for_config`).
@@ -51,6 +55,7 @@ ENGINE_FIELDS = (
 REQUEST_FIELDS = tuple(f for f in ENGINE_FIELDS if f != "policy_options")  # flat values only
 LIMIT_FIELDS = ("max_request_budget", "max_request_window", "request_settings", "max_ring_mib")  # the operator's
 SCHEDULE_FIELDS = ("evictions_per_step",)  # engine-only: how the scheduler spreads the evictions of its requests
+STATS_FIELDS = ("stats",)  # engine-only: the query statistics file a policy with a `stats` option reads
 DEFAULT_MAX_WINDOW = 512  # the default cap on a request's window (with max_model_len): its query rings' size
 DEFAULT_SEED = 0  # a request with no seed anywhere: the same kept sets run after run
 PREFILL_MODES = ("compress", "pin")  # vLLM's; "keep" sizes a buffer by the prompt, which a paged pool has not
@@ -80,9 +85,9 @@ def _engine_raw(additional_config: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     if not isinstance(raw, Mapping):
         raise SettingsError(f"{ENGINE_WHERE} must be a JSON object of VaSE settings, got {raw!r}", ENGINE_WHERE)
-    unknown = sorted(set(raw) - set(ENGINE_FIELDS) - set(LIMIT_FIELDS) - set(SCHEDULE_FIELDS))
+    unknown = sorted(set(raw) - set(ENGINE_FIELDS) - set(LIMIT_FIELDS) - set(SCHEDULE_FIELDS) - set(STATS_FIELDS))
     if unknown:
-        allowed = ", ".join((*ENGINE_FIELDS, *LIMIT_FIELDS, *SCHEDULE_FIELDS))
+        allowed = ", ".join((*ENGINE_FIELDS, *LIMIT_FIELDS, *SCHEDULE_FIELDS, *STATS_FIELDS))
         raise SettingsError(
             f"{ENGINE_WHERE} has unknown setting(s) {', '.join(map(repr, unknown))}; allowed: {allowed}",
             f"{ENGINE_WHERE}[{unknown[0]!r}]",
@@ -175,6 +180,21 @@ def evictions_per_step(additional_config: Mapping[str, Any] | None) -> int | Non
     return value
 
 
+STATS_WHERE = f"{ENGINE_WHERE}['stats']"
+
+
+def engine_stats(additional_config: Mapping[str, Any] | None) -> str | None:
+    """`stats`: the path of the engine's query statistics file, or None (unset: no policy that reads one runs)."""
+    value = _engine_raw(additional_config).get("stats")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise SettingsError(
+            f"{STATS_WHERE} must be the path of a query statistics file (`vasepatch calibrate MODEL` writes one), "
+            f"got {value!r}",
+            STATS_WHERE,
+        )
+    return value
+
+
 def request_settings(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
     """The request's own settings (`extra_args["vasepatch_*"]`, prefix removed), keys checked."""
     given = {k: v for k, v in (extra_args or {}).items() if isinstance(k, str) and k.startswith(REQUEST_PREFIX)}
@@ -235,13 +255,31 @@ def resolve(
     except ValueError as exc:
         raise SettingsError(str(exc), _blame(str(exc), own, engine)) from None
     if "stats" in policy.options:
-        where = REQUEST_PREFIX + "policy" if "policy" in own else f"{ENGINE_WHERE}['policy']"
+        return _with_stats(config, additional_config, own)
+    return config
+
+
+def _with_stats(config: VaSEConfig, additional_config: Mapping[str, Any] | None, own: Mapping[str, Any]) -> VaSEConfig:
+    """`config` whose policy options name the engine's statistics file (`engine_stats`), and the rotary's float32
+    frequencies (vLLM's rotary computes them in float32 whatever the model's dtype): SettingsError when the engine
+    names none, or names one in `policy_options`, where it would apply to one policy only."""
+    if "stats" in config.policy_options:
+        where = f"{ENGINE_WHERE}['policy_options']"
         raise SettingsError(
-            f"{where}: policy {config.policy!r} reads calibrated statistics, which the vLLM plugin does not load "
-            "yet; it runs with vasepatch.patch on transformers",
+            f"{where}: name the statistics file in {STATS_WHERE}, which every request whose policy reads one uses, "
+            "not in policy_options",
             where,
         )
-    return config
+    path = engine_stats(additional_config)
+    if path is None:
+        where = REQUEST_PREFIX + "policy" if "policy" in own else f"{ENGINE_WHERE}['policy']"
+        raise SettingsError(
+            f"{where}: policy {config.policy!r} reads the model's calibrated query statistics, and this engine has "
+            f"none: the operator names the file `vasepatch calibrate MODEL` writes in {STATS_WHERE}",
+            where,
+        )
+    options = {"rotary_dtype": "float32", **config.policy_options, "stats": path}
+    return dataclasses.replace(config, policy_options=options)
 
 
 def _blame(message: str, own: Mapping[str, Any], engine: Mapping[str, Any]) -> str:

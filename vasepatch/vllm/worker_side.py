@@ -42,8 +42,9 @@ class _Request:
 class WorkerEviction:
     """The eviction state of one worker process (one per model runner)."""
 
-    def __init__(self, rank: int = 0, heads_per_rank: int = 0) -> None:
+    def __init__(self, rank: int = 0, heads_per_rank: int = 0, kv_heads: int = 0) -> None:
         self.head_offset = rank * heads_per_rank  # the global index of this rank's first KV head
+        self.kv_heads = kv_heads  # the model's KV heads over all ranks (0: this rank's), for the policies' head_ids
         self.rings = QueryRings()
         self.requests: dict[str, _Request | None] = {}  # None: the request runs with the full cache
         self.dropped: dict[str, int] = {}
@@ -127,7 +128,9 @@ class WorkerEviction:
             if len(chunk) == 1 and compaction.read_bytes(chunk[0], caches) > compaction.STACK_BYTES:
                 kept.append(self._by_layer(caches, isa, chunk[0], config, policy))
                 continue
-            kept += compaction.compact_stacked(caches, chunk, config, policy, self.head_offset, isa)
+            kept += compaction.compact_stacked(
+                caches, chunk, config, policy, self.head_offset, isa, kv_heads=self.kv_heads
+            )
             self.eviction_calls += 1
         return kept
 
@@ -137,7 +140,7 @@ class WorkerEviction:
         self.eviction_calls += 1
         return compaction.compact(
             caches, d.blocks, d.n, d.queries, d.positions, config, policy, d.round,
-            head_offset=self.head_offset, pinned=d.pinned, isa=isa,
+            head_offset=self.head_offset, pinned=d.pinned, isa=isa, kv_heads=self.kv_heads,
         )  # fmt: skip
 
     def after_prepare(self, runner: Any, num_scheduled_tokens: np.ndarray) -> None:
