@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -121,6 +122,28 @@ def test_paired_rows_pair_answers_by_problem_and_sample():
         paired.difference([True], [True, False])
 
 
+def test_each_run_is_paired_with_the_reference_at_its_own_budget():
+    ran = ["full", "vase", "snapkv", "rkv", "triattention", "vase@64", "snapkv@64", "triattention@64"]
+    assert paired.reference_of("triattention@64", "vase", ran) == "vase@64"
+    assert paired.reference_of("triattention@64", "snapkv", ran) == "snapkv@64"
+    assert paired.reference_of("triattention@64", "rkv", ran) is None  # rkv@64 did not run: no cross-budget pair
+    assert paired.reference_of("triattention@64", "full", ran) == "full"
+    assert paired.reference_of("vase@64", "vase", ran) == "vase"  # the policy at the default budget: the cost of 64
+    assert paired.reference_of("triattention", "rkv", ran) == "rkv"
+    assert paired.reference_of("vase", "vase", ran) is None and paired.reference_of("full", "full", ran) is None
+    records = [[{"id": "0", "sample": 0, "correct": i % 2 == 0}] for i in range(len(ran))]
+    found = {(r["run"], r["against"]) for r in paired.rows(ran, records, against=["snapkv"])}
+    assert found == {("full", "snapkv"), ("vase", "snapkv"), ("rkv", "snapkv"), ("triattention", "snapkv"),
+                     ("vase@64", "snapkv@64"), ("triattention@64", "snapkv@64"), ("snapkv@64", "snapkv")}  # fmt: skip
+
+
+def test_the_paired_references_are_checked_by_name():
+    with pytest.raises(ValueError, match=r"against: unknown policies \['nope'\]"):
+        TaskSettings(config=VaSEConfig(budget=64, window=16, seed=0), against=["full", "nope"])
+    with pytest.raises(ValueError, match="against: unknown policies"):
+        TaskSettings(config=VaSEConfig(budget=64, window=16, seed=0), against=[])
+
+
 # --- the vLLM engine's path, its parts that need no vLLM
 
 
@@ -151,6 +174,26 @@ def test_requests_go_problem_by_problem_and_skip_what_a_file_holds(tmp_path):
     assert list(found[1]) == [("1", 0)] and found[0] == {}
     wide = TaskSettings(config=config, policies=["full", "vase", "snapkv@1024"])
     assert vllm_answers.limits(wide) == {"vasepatch": {"max_request_budget": 1024, "max_request_window": 16}}
+    assert vllm_answers.limits(wide, "s.safetensors")["vasepatch"]["stats"] == "s.safetensors"
+
+
+def test_a_run_that_reads_statistics_names_the_models_own_file_to_the_engine(tmp_path, monkeypatch):
+    """`triattention` on vLLM: the engine gets the model's own statistics, found as `patch` finds them (a missing
+    file is the error naming the command), and no file when no run reads one."""
+    from tests.tiny_models import tiny_model
+    from vasepatch.integration import calibration
+
+    monkeypatch.setenv("VASEPATCH_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "model")
+    config = VaSEConfig(budget=64, window=16, seed=0)
+    folder = str(tmp_path / "model")
+    assert vllm_answers.stats_file(TaskSettings(config=config, policies=["full", "vase@32"]), folder) is None
+    reading = TaskSettings(config=config, policies=["full", "triattention@32"])
+    with pytest.raises(ValueError, match="run `vasepatch calibrate"):
+        vllm_answers.stats_file(reading, folder)
+    written = calibration.calibrate(model, torch.randint(0, VOCAB, (1, 32)))
+    assert vllm_answers.stats_file(reading, folder) == str(written)
 
 
 def test_the_vllm_engine_changes_the_run_key_and_checks_its_settings():

@@ -7,7 +7,8 @@ seeds, so two runs are compared answer by answer, not as two independent samples
   binomial with p = 1/2 over `b + c`).
 - `difference`: the paired difference of accuracy with its 95% interval (the normal approximation over the
   per-answer differences) and McNemar's p.
-- `tables`: every run against `full` and against `vase`, where those ran, as a report table.
+- `tables`: every run against each reference policy (`against`, default `full` and `vase`) at the run's own
+  budget (`reference_of`), where that ran, as a report table.
 
 Answers are paired by their record's `(id, sample)`. With several samples per problem the pairs of one
 problem are not independent, so the p-values are then optimistic; the study uses one sample per problem.
@@ -70,21 +71,36 @@ def _by_answer(records: Sequence[dict[str, Any]]) -> dict[tuple, bool]:
     return {(r["id"], r["sample"]): bool(r["correct"]) for r in records}
 
 
-def rows(names: Sequence[str], per_run: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Every run against each reference run (`REFERENCES`) that is among `names`, on the answers both have."""
+def reference_of(run: str, against: str, ran: Sequence[str]) -> str | None:
+    """The run that `run` is paired with for the reference policy `against`, or None: `against` at `run`'s own
+    budget (`snapkv@64` against `vase` is paired with `vase@64`; `snapkv` with `vase`), `full` as it is (it keeps
+    everything), and a policy at its own budget with the policy at the default one (`vase@64` with `vase`: what
+    the smaller budget costs). None where that run did not run, or is `run` itself."""
+    policy, at, budget = run.partition("@")
+    reference = against if against == "full" or not at or policy == against else f"{against}@{budget}"
+    return reference if reference != run and reference in ran else None
+
+
+def rows(
+    names: Sequence[str], per_run: Sequence[Sequence[dict[str, Any]]], against: Sequence[str] = REFERENCES
+) -> list[dict[str, Any]]:
+    """Every run against each reference policy of `against` (`reference_of`), on the answers both have."""
     answers = {name: _by_answer(records) for name, records in zip(names, per_run, strict=True)}
     out = []
-    for against in (name for name in REFERENCES if name in answers):
+    for policy in against:
         for name in names:
-            if name == against:
+            reference = reference_of(name, policy, names)
+            if reference is None:
                 continue
-            shared = [k for k in answers[name] if k in answers[against]]
-            pair = difference([answers[name][k] for k in shared], [answers[against][k] for k in shared])
-            out.append({"run": name, "against": against, **pair})
+            shared = [k for k in answers[name] if k in answers[reference]]
+            pair = difference([answers[name][k] for k in shared], [answers[reference][k] for k in shared])
+            out.append({"run": name, "against": reference, **pair})
     return out
 
 
-def tables(names: Sequence[str], per_run: Sequence[Sequence[dict[str, Any]]]) -> dict[str, tuple[list, tuple]]:
-    """`{"paired": (rows, COLUMNS)}` for a report, or nothing when no reference run is among `names`."""
-    found = rows(names, per_run)
+def tables(
+    names: Sequence[str], per_run: Sequence[Sequence[dict[str, Any]]], against: Sequence[str] = REFERENCES
+) -> dict[str, tuple[list, tuple]]:
+    """`{"paired": (rows, COLUMNS)}` for a report, or nothing when no run has a reference among `names`."""
+    found = rows(names, per_run, against)
     return {"paired": (found, COLUMNS)} if found else {}

@@ -110,7 +110,7 @@ def run_math(settings: TaskSettings, answerer, examples: list[data.Example], ech
     header["problems"] = len(examples)
     header["grading"] = grading.describe([r.get("grading") for r in records])
     used(settings, header, per_policy, records)
-    tables = paired.tables(settings.policies, per_run)
+    tables = paired.tables(settings.policies, per_run, settings.against)
     plot = plots.task_plot(results, header)
     return report.write(
         Path(settings.out), settings.task, header, results, COLUMNS, title, plot, tables=tables, echo=echo
@@ -246,6 +246,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", type=output_dir, default=d.out, help="folder for the answers (jsonl, resumable) and the results"
     )
+    _add_engine_arguments(p, d)
+    p.add_argument(
+        "--against",
+        default=",".join(d.against),
+        help="the paired table's reference policies, comma-separated: every run against each, at the run's own "
+        "budget where that ran (snapkv@64 against vase@64)",
+    )
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser, d: TaskSettings) -> None:
+    """`--engine` and the vLLM engine's own flags."""
     p.add_argument(
         "--engine",
         choices=ENGINES,
@@ -276,5 +287,6 @@ def main(args: argparse.Namespace) -> None:
         engine=args.engine,
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
+        against=cli_options.parse_policies(args.against),
     )
     run(settings, echo=True, before_load=lambda: threads.warn_if_busy(args))  # a busy machine: one line

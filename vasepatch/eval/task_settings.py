@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from vasepatch.config import FULL, VaSEConfig
-from vasepatch.eval import answers, cli_options, grading
+from vasepatch.eval import answers, cli_options, grading, paired
 
 PASSKEY = "passkey"  # the task of `vasepatch.eval.passkey`; every other task is a data set of math problems
 TASKS = sorted(grading.GRADERS)
@@ -54,6 +54,7 @@ class TaskSettings:
     engine: str = "transformers"
     dtype: str = "float32"  # the weights' and KV cache's dtype under vLLM (the transformers path: float32)
     max_num_seqs: int = 64  # vLLM: requests in flight at once
+    against: list[str] = field(default_factory=lambda: list(paired.REFERENCES))  # the paired table's references
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -72,6 +73,10 @@ class TaskSettings:
         if self.kind == PASSKEY:
             check_passkey(self.context_lengths, self.depths)
         self._check_engine()
+        known = cli_options.policy_names()
+        unknown = [name for name in self.against if name not in known]
+        if unknown or not self.against:
+            raise ValueError(f"against: unknown policies {unknown}; known: {', '.join(known)}")
 
     def _check_engine(self) -> None:
         if self.engine not in ENGINES:

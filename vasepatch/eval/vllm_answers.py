@@ -12,7 +12,9 @@ The engine: the model's weights and KV cache in `dtype`, eager, prefix caching o
 `max_num_seqs` requests in flight, and a pool that holds that many requests at their longest (the longest
 prompt plus `max_new_tokens`), so that nothing is ever preempted whatever the mix of runs. A record's `kv_bytes`
 is computed, not measured: the plugin's bound between steps, in whole blocks (the whole sequence for `full`, at
-most `budget + window` slots plus a pinned prompt for an evicting run: `footprint.held_slots`).
+most `budget + window` slots plus a pinned prompt for an evicting run: `footprint.held_slots`). A run whose
+policy reads calibrated statistics (`triattention`) reads the model's own file, named to the engine
+(`stats_file`).
 """
 
 from __future__ import annotations
@@ -93,15 +95,34 @@ def requests(runs: Sequence[answers.PolicyRun], work: Sequence[tuple[answers.Ite
     return todo, done
 
 
-def limits(settings: Any) -> dict[str, Any]:
-    """The engine's caps on per-request settings (the plugin's `max_request_budget`, `max_request_window`): the
-    largest budget and window of the runs, which the engine's defaults (from `max_model_len`) may not allow."""
+def limits(settings: Any, stats: str | None = None) -> dict[str, Any]:
+    """The plugin's engine settings: its caps on per-request settings (`max_request_budget`,
+    `max_request_window`: the largest budget and window of the runs, which the engine's defaults, from
+    `max_model_len`, may not allow), and `stats`, the query statistics file, where a run's policy reads one."""
     configs = [settings.run_config(name) for name in settings.policies]
     budget = max(c.budget for c in configs)
-    return {"vasepatch": {"max_request_budget": budget, "max_request_window": settings.config.window}}
+    own = {"max_request_budget": budget, "max_request_window": settings.config.window}
+    return {"vasepatch": {**own, "stats": stats} if stats else own}
 
 
-def open_engine(settings: Any, model: str, blocks: int, longest: int, per_token: int, in_flight: int):
+def stats_file(settings: Any, model: str) -> str | None:
+    """The query statistics file of the runs whose policy reads one (`triattention`), found and checked as
+    `vasepatch.patch` finds and checks it (the model's own, `vasepatch calibrate MODEL`; the transformers model is
+    loaded once, on the CPU, to key it); None when no run reads one. The plugin takes one file per engine."""
+    from vasepatch.integration import policy_stats
+
+    reading = [c for c in map(settings.run_config, settings.policies) if policy_stats.reads_stats(c)]
+    if not reading:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=settings.dtype)
+    return policy_stats.with_stats(loaded, reading[0]).policy_options["stats"]
+
+
+def open_engine(
+    settings: Any, model: str, blocks: int, longest: int, per_token: int, in_flight: int, stats: str | None = None
+):
     """The `vllm.LLM` of an evaluation (see the module's docstring for its settings)."""
     from vllm import LLM
 
@@ -116,7 +137,7 @@ def open_engine(settings: Any, model: str, blocks: int, longest: int, per_token:
         num_gpu_blocks_override=blocks,
         kv_cache_memory_bytes=blocks * BLOCK * per_token,
         seed=settings.config.seed,
-        additional_config=limits(settings),
+        additional_config=limits(settings, stats),
     )
 
 
@@ -180,7 +201,8 @@ class VLLMAnswers:
         if todo:
             self.in_flight = min(settings.max_num_seqs, len(todo))
             self.blocks = footprint.pool_blocks(self.in_flight, longest, BLOCK)
-            llm = open_engine(settings, self.model, self.blocks, longest, self.per_token, self.in_flight)
+            stats = stats_file(settings, self.model)
+            llm = open_engine(settings, self.model, self.blocks, longest, self.per_token, self.in_flight, stats)
             try:
                 self._generate(llm.llm_engine, runs, todo, done, bar)
             finally:
