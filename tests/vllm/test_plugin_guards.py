@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import BloomConfig, FalconConfig, LlamaConfig, MptConfig
 
+from vasepatch.cache.paged_rings import QueryRings
 from vasepatch.config import VaSEConfig
 from vasepatch.vllm import patches, requirements, settings
-from vasepatch.vllm.query_rings import QueryRings
 from vasepatch.vllm.scheduler_side import STEP_ATTR, Step
 from vasepatch.vllm.worker_side import WorkerEviction
 

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 
 from tests.query_stats_files import options_for
 from vasepatch import policies
+from vasepatch.cache.paged_rings import QueryRings
 from vasepatch.config import VaSEConfig
 from vasepatch.policies import scoring
 from vasepatch.policies.base import Policy, kept_slots
 from vasepatch.policies.keyed import KeyedGenerator, draws_keyed_noise
 from vasepatch.vllm import compaction, engine_access, metrics, paged_layout, patches, scheduler_side, settings
-from vasepatch.vllm.query_rings import QueryRings
 from vasepatch.vllm.worker_side import WorkerEviction
 
 # --- settings -------------------------------------------------------------------------------------------

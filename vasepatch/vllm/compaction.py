@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vasepatch.cache.paged_positions import candidate_positions as candidate_positions  # the plugin names it here
 from vasepatch.cache.slots import gather_slots
 from vasepatch.config import VaSEConfig
 from vasepatch.policies import Policy
@@ -35,19 +36,6 @@ from vasepatch.policies.keyed import KeyedGenerator, StackedKeyedGenerator, mark
 from vasepatch.vllm import paged_layout
 
 STACK_BYTES = 64 * 2**20  # keys and values one stacked call reads, at most (a larger group is chunked)
-
-
-def candidate_positions(
-    kept: torch.Tensor | None, layers: int, heads: int, n: int, dropped: int, pinned: int = 0
-) -> torch.Tensor:
-    """`[layers, heads, n - pinned]` int64: the sequence position of each candidate slot `pinned..n-1`. Slots
-    past the last eviction's kept ones (or all, before the first) hold position `dropped + slot`; the
-    `budget` slots after the pinned ones hold `kept`."""
-    positions = torch.arange(pinned + dropped, dropped + n, dtype=torch.int64).expand(layers, heads, n - pinned)
-    positions = positions.clone()
-    if kept is not None and dropped > 0:
-        positions[:, :, : kept.shape[-1]] = kept
-    return positions
 
 
 def compact(

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from vasepatch import policies
+from vasepatch.cache.paged_rings import QueryRings
 from vasepatch.config import VaSEConfig
 from vasepatch.vllm import compaction, metrics, paged_layout, settings
 from vasepatch.vllm import engine_access as access
-from vasepatch.vllm.query_rings import QueryRings
 from vasepatch.vllm.scheduler_side import STEP_ATTR, Order, Step
 
 

@@ -1,17 +1,19 @@
-"""The last `window` queries of every evicting vLLM request, per layer: what an eviction scores with.
+"""The last `window` queries of every evicting request of a paged engine, per layer: what an eviction scores with.
 
-vLLM's attention takes no per-request side buffers, so the plugin keeps its own: one pool per window
-size, per layer a tensor `[rows, window, q_heads, head_size]`, a row per request (`assign`/`release`,
-keyed by request id, so vLLM's reordering of its batch does not matter). Query of position `p` goes to
-column `p % window`; the scores average over the window, so the order of the columns does not matter.
+A paged engine (vLLM; transformers' continuous batching) passes its attention no per-request side buffers, so
+eviction keeps its own: one pool per window size, per layer a tensor `[rows, window, q_heads, head_size]`, a row
+per request (`assign`/`release`, keyed by request id, so the engine's reordering of its batch does not matter).
+Query of position `p` goes to column `p % window`; the scores average over the window, so the order of the
+columns does not matter.
 
-Each step the runner states which tokens of the batch to keep (`plan`: the last `window` of each
+Each step the engine's side states which tokens of the batch to keep (`plan`: the last `window` of each
 evicting request); each layer's attention then writes them with one `index_copy_` (`record`).
 
 Memory follows the requests in flight: a pool doubles when a request finds no free row, halves (its live
 rows moved to the front) when at most a quarter of its rows are live, and is freed when its last request
 finishes. So a pool never holds more than `4 x` its live rows (`nbytes` counts them all), and an engine
-whose requests have all finished holds no rings.
+whose requests have all finished holds no rings. Layers are named by any hashable key (vLLM's layer names,
+transformers' layer indices).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class _Pool:
 
 
 class QueryRings:
-    """The query rings of one worker (see the module's docstring)."""
+    """The query rings of one worker or engine (see the module's docstring)."""
 
     def __init__(self) -> None:
         self._pools: dict[int, _Pool] = {}
