@@ -44,6 +44,8 @@ def with_stats(model: torch.nn.Module, config: VaSEConfig) -> VaSEConfig:
     except ValueError as exc:
         raise ValueError(f"policy_options['stats']: {exc}") from None
     dtype = calibration.rotary_dtype(model)
+    if dtype == torch.float64:  # a float64 rotary holds float32 frequencies cast up, exactly: the file's
+        dtype = torch.float32
     check_fits(model, stats, inv_freq, scaling, path, dtype)
     if given:
         _warn_if_foreign(model, path)
