@@ -26,7 +26,7 @@ from tests.cache.test_cache_layer import _layer as _vase_layer
 from tests.conftest import greedy_with_logits, max_logit_diff, ragged_batch
 from tests.integration.test_patching import fingerprint
 from tests.tiny_models import VOCAB
-from vasepatch.integration import attention
+from vasepatch.integration import attention, compat
 from vasepatch.kernels import grouped as kernels
 
 GEN = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
@@ -555,8 +555,10 @@ def test_setting_the_attention_implementation_keeps_the_patch_and_changes_its_ow
 
 def test_continuous_batching_leaves_the_patch_as_it_found_it():
     """`generate_batch` on a patched `eager` model switches the model's attention to a paged one and back on
-    `stop()`, through `set_attn_implementation`: its tokens are the unpatched model's (it evicts nothing), and the
-    patched `generate` afterwards still evicts and gives the tokens it gave before."""
+    `stop()`, through `set_attn_implementation`: it evicts as `generate` does where transformers' continuous
+    batching is one the patch evicts inside (`compat.CONTINUOUS_BATCHING`; `test_continuous_batching.py`), else its
+    tokens are the unpatched model's, with the warning; and the patched `generate` afterwards still evicts and gives
+    the tokens it gave before."""
     from tests.tiny_models import tiny_model
 
     cb_config = pytest.importorskip("transformers.generation.configuration_utils").__dict__.get(
@@ -578,8 +580,11 @@ def test_continuous_batching_leaves_the_patch_as_it_found_it():
     ids = torch.tensor([prompt])
     before = model.generate(ids, generation_config=config)
     evictions = handle.stats()["evictions"]
-    with pytest.warns(vasepatch.NoEvictionWarning):
-        assert batch() == unpatched
+    if compat.evicts_in_continuous_batching():
+        assert batch() == [before[0, len(prompt) :].tolist()] != unpatched
+    else:
+        with pytest.warns(vasepatch.NoEvictionWarning):
+            assert batch() == unpatched
     assert model.model.config._attn_implementation == attention.ATTN_IMPLEMENTATION
     assert torch.equal(model.generate(ids, generation_config=config), before)
     assert evictions > 0 and handle.stats()["evictions"] == evictions  # the last generate's

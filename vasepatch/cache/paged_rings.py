@@ -72,6 +72,14 @@ class QueryRings:
             self._pools.setdefault(window, _Pool(window)).take(req_id)
             self._windows[req_id] = window
 
+    def copy(self, source: str, req_id: str) -> None:
+        """Give `req_id` a row holding `source`'s queries (a request forked from `source`, whose queries it shares)."""
+        window = self._windows[source]
+        self.assign(req_id, window)
+        pool = self._pools[window]
+        for ring in pool.layers.values():
+            ring[pool.members[req_id]] = ring[pool.members[source]]
+
     def release(self, req_id: str) -> None:
         """The request finished: its row goes back to its pool, and a pool left without requests is freed."""
         window = self._windows.pop(req_id, None)

@@ -46,6 +46,8 @@ LAYER_KWARG = "vasepatch_layer"
 OWN_PATH_KWARG = "vasepatch_own_path"  # set by the patch's wrappers: a call for the model's own attention
 BACKEND_ATTR = "_vasepatch_backend"  # on the private config copy: the backend chosen at patch time
 ORIGINAL_ATTR = "_vasepatch_original"  # on the private config copy: the model's own attention implementation
+PAGED_ATTR = "_vasepatch_eviction"  # on a continuous-batching paged cache that evicts: its `PagedEviction`
+PAGED_KWARG = "vasepatch_paged"  # set by the attention wrapper on such a cache's calls: the layer records its queries
 
 
 def vasepatch_attention(
@@ -64,6 +66,9 @@ def vasepatch_attention(
         scaling = query.shape[-1] ** -0.5
     backend = getattr(module.config, BACKEND_ATTR, "sdpa")
     layer, own_path = kwargs.pop(LAYER_KWARG, None), kwargs.pop(OWN_PATH_KWARG, False)
+    paged = kwargs.pop(PAGED_KWARG, None)
+    if paged is not None:  # continuous batching: the evicting requests' last queries, after RoPE
+        paged.record(module.layer_idx, query)
     if layer is None:
         return _without_vase_cache(
             module, query, key, value, attention_mask, scaling, dropout, backend, own_path, **kwargs

@@ -23,6 +23,18 @@ def check_transformers(version: str | None = None) -> None:
         )
 
 
+CONTINUOUS_BATCHING = ("5.22.0", "5.26.0")
+"""The transformers releases whose continuous batching a patched model evicts inside (`integration.continuous`):
+from the first whose paged-cache internals the hooks read (5.22) to the newest tested, exclusive. Outside it the
+batched path runs transformers' own full cache, and the patch warns that it evicts nothing."""
+
+
+def evicts_in_continuous_batching(version: str | None = None) -> bool:
+    """Whether this transformers' continuous batching is one a patched model evicts inside (`CONTINUOUS_BATCHING`)."""
+    low, high = CONTINUOUS_BATCHING
+    return Version(low) <= Version(version or transformers.__version__) < Version(high)
+
+
 CACHE_NAMES = ("cache", "past_key_values")
 """What transformers calls the KV cache, in a model's keyword arguments and its outputs: `cache` in recent
 releases, `past_key_values` before them. Recent releases still take and return the old name, but log

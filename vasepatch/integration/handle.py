@@ -97,6 +97,8 @@ class PatchHandle:
         self.cache_keyword = cache_keyword(model.forward)
         """The keyword under which the model takes a cache: `"cache"` where its `forward` has that
         parameter (recent transformers), else `"past_key_values"` (older 5.x releases)."""
+        self.batching: Any = None
+        """The eviction of the most recent continuous-batching processor (`integration.continuous`), or None."""
 
     def new_cache(self, config: VaSEConfig | None = None) -> VaSECache:
         """A fresh cache for one generation (what `generate()` gets automatically).
@@ -134,6 +136,16 @@ class PatchHandle:
         """
         snapshot = self.monitor.snapshot(self.config.budget, self.config.window)
         return {**snapshot, **self.shard.stats(snapshot["kv_bytes"])}
+
+    def batching_stats(self) -> dict[str, int]:
+        """Counters of the most recent continuous batching of this patch (`generate_batch`, a manager from
+        `init_continuous_batching`), all 0 before any: `evictions` (one per request evicted at a step),
+        `evicted_tokens` (slots dropped, per request and KV head, summed), `blocks_freed` (blocks given back to the
+        paged cache's allocator) and `peak_blocks` (the most blocks a request held at a step after its first
+        eviction: at most `ceil((budget + window) / page_size)` with `prefill="compress"`)."""
+        if self.batching is None:
+            return {"evictions": 0, "evicted_tokens": 0, "blocks_freed": 0, "peak_blocks": 0}
+        return self.batching.stats()
 
     @property
     def active(self) -> bool:

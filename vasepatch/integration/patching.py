@@ -51,8 +51,9 @@ from vasepatch.cache import footprint
 from vasepatch.config import VaSEConfig
 from vasepatch.errors import AlreadyPatchedError, NotPatchedError, UnsupportedModelError
 from vasepatch.integration import attention, distributed, policy_stats
-from vasepatch.integration.compat import check_transformers
+from vasepatch.integration.compat import check_transformers, evicts_in_continuous_batching
 from vasepatch.integration.compile_support import install_compile_support
+from vasepatch.integration.continuous.hooks import InitContinuousBatching
 from vasepatch.integration.families import ModelLayout, inspect_model
 from vasepatch.integration.handle import MISSING, STATE_ATTR, PatchHandle, policy_for, set_instance_attr
 from vasepatch.integration.wrappers import (
@@ -241,6 +242,9 @@ def _apply(model: torch.nn.Module, layout: ModelLayout, state: PatchState) -> No
     for owner in {id(m): m for m in (model, base)}.values():  # the model and its decoder stack, where they differ
         previous = owner.__dict__.get("set_attn_implementation", MISSING)
         set_instance_attr(owner, "set_attn_implementation", SetAttnImplementation(owner, private, previous), undo)
+    if evicts_in_continuous_batching() and callable(getattr(model, "init_continuous_batching", None)):
+        previous = model.__dict__.get("init_continuous_batching", MISSING)
+        set_instance_attr(model, "init_continuous_batching", InitContinuousBatching(model, state, previous), undo)
     install_compile_support(model, undo)
 
 

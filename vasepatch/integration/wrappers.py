@@ -125,13 +125,30 @@ class PatchState:
                 with self._lock:
                     self.in_flight -= 1
 
+    def hold(self) -> Callable[[], None]:
+        """Count a long-lived user of the patch (a running continuous-batching manager) as a call in flight until
+        the returned function is called (once)."""
+        with self._lock:
+            live = not self.removed
+            self.in_flight += live
+        released = [not live]
+
+        def release() -> None:
+            with self._lock:
+                if not released[0]:
+                    released[0] = True
+                    self.in_flight -= 1
+
+        return release
+
     def remove(self) -> None:
         """Run the undo records, unless a call is in flight (`ModelInUseError`, nothing changed)."""
         with self._lock:
             if self.in_flight:
                 raise ModelInUseError(
-                    f"cannot unpatch: {self.in_flight} generate/forward call(s) are running on this model "
-                    "(in another thread, or the caller is inside one, e.g. a streamer or hook); "
+                    f"cannot unpatch: {self.in_flight} generate/forward call(s) or continuous-batching manager(s) are "
+                    "running on this model (in another thread, or the caller is inside one, e.g. a streamer or hook; "
+                    "a manager runs from its start() to its stop()); "
                     "wait for them to finish, then unpatch"
                 )
             self.removed = True
@@ -190,6 +207,9 @@ class AttentionForward:
         if not isinstance(cache, VaSECache):
             if not torch.compiler.is_compiling() and transformers_path():
                 kwargs[attention.OWN_PATH_KWARG] = True  # the kernel runs the model's own attention
+            paged = getattr(cache, attention.PAGED_ATTR, None)
+            if paged is not None:  # an evicting continuous batching (`integration.continuous`)
+                kwargs[attention.PAGED_KWARG] = paged
             return original(*args, **kwargs)
         layer = cache.layers[self.module.layer_idx]
         kwargs[attention.LAYER_KWARG] = layer
@@ -258,6 +278,8 @@ def warn_not_evicting(state: PatchState, used: Any) -> None:
     is not vasepatch's, `used`: the one it was given, or the `DynamicCache` transformers built for a
     plain `model(ids)`. A call without a cache (`use_cache=False`) has nothing to evict: silent."""
     if state.warned_not_evicting or used is None or isinstance(used, VaSECache):
+        return
+    if getattr(used, attention.PAGED_ATTR, None) is not None:  # continuous batching that evicts
         return
     state.warned_not_evicting = True
     message = NOT_EVICTING.format(name=type(used).__name__, keyword=state.handle.cache_keyword)
