@@ -55,9 +55,9 @@ def _greedy(new: int, **more) -> GenerationConfig:
 
 
 def _batch(model, prompts, new: int, cb: ContinuousBatchingConfig | None = None) -> list[list[int]]:
-    """`generate_batch`'s tokens, in the prompts' order."""
+    """`generate_batch`'s tokens, in the prompts' order (a reused manager numbers its requests on: `req_<n>`)."""
     out = model.generate_batch(prompts, generation_config=_greedy(new), continuous_batching_config=cb or _cb())
-    return [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+    return [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.rpartition("_")[2]))]
 
 
 def _arriving(model, prompts, new: int, cb: ContinuousBatchingConfig, pause: float = 0.2) -> list[list[int]]:
@@ -225,6 +225,26 @@ def test_outside_the_supported_releases_the_batched_path_warns_that_it_evicts_no
         assert "init_continuous_batching" not in model.__dict__
         with pytest.warns(NoEvictionWarning, match="PagedAttentionCache"):
             assert _batch(model, prompts, 30) == full
+
+
+def test_a_manager_cached_before_the_patch_is_refused_until_destroyed():
+    """A persistent manager kept from before the patch has settings eviction cannot take (prefix sharing on):
+    refused by name; once destroyed, a new one evicts. One kept by the patch itself is reused."""
+    model = _model()
+    prompts = _prompts((20, 45))
+    model.generate_batch(prompts, generation_config=_greedy(10), continuous_batching_config=_cb(),
+                         persistent_manager=True)  # fmt: skip
+    with vasepatch.patched(model, budget=BUDGET, window=WINDOW, seed=0) as handle:
+        with pytest.raises(ValueError, match=r"destroy_cached_continuous_batching_manager\(\) first"):
+            _batch(model, prompts, 30)
+        model.destroy_cached_continuous_batching_manager()
+        want = [_alone(model, p, 30) for p in prompts]
+        out = model.generate_batch(prompts, generation_config=_greedy(30), continuous_batching_config=_cb(),
+                                   persistent_manager=True)  # fmt: skip
+        assert [out[f"req_{i}"].generated_tokens for i in range(2)] == want
+        assert _batch(model, prompts, 30) == want  # the patch's own cached manager, reused
+        assert handle.batching_stats()["evictions"] > 0
+        model.destroy_cached_continuous_batching_manager()
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,11 @@ class InitContinuousBatching:
         cached = getattr(self.model, "_cached_continuous_batching_manager", None)
         if cached is not None and cached.__dict__.get(MANAGER_ATTR) is self.state:
             return original(generation_config, continuous_batching_config, workload_hints)
-        problem = refusal(self.model, continuous_batching_config)
+        problem = "" if cached is None else (
+            "the model holds a manager cached before this patch (persistent_manager=True), made with settings "
+            "eviction cannot take; call model.destroy_cached_continuous_batching_manager() first"
+        )  # fmt: skip
+        problem = problem or refusal(self.model, continuous_batching_config)
         if problem:
             raise ValueError(f"vasepatch cannot evict inside this continuous batching: {problem}")
         config = evicting_config(self.model, generation_config, continuous_batching_config, self.state)
