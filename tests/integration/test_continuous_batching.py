@@ -149,6 +149,17 @@ def test_with_a_budget_above_every_sequence_the_tokens_are_the_unpatched_models(
         assert handle.batching_stats()["evictions"] == 0
 
 
+def test_the_full_mode_runs_transformers_own_cache_without_a_warning():
+    model = _model()
+    prompts = _prompts((20, 45))
+    want = _batch(model, prompts, 30)
+    with vasepatch.patched(model, budget=BUDGET, window=WINDOW, policy="full") as handle:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NoEvictionWarning)
+            assert _batch(model, prompts, 30) == want
+        assert handle.batching_stats()["evictions"] == 0
+
+
 def test_evicting_requests_give_blocks_back_so_more_run_at_once(monkeypatch):
     """Eight requests of 40 + 80 tokens in 30 blocks of 16: the full cache needs 8 blocks each at the end, so
     requests are offloaded (started over) to make room; evicting at budget 32 + window 8 holds at most 3 each, so

@@ -242,7 +242,8 @@ def _apply(model: torch.nn.Module, layout: ModelLayout, state: PatchState) -> No
     for owner in {id(m): m for m in (model, base)}.values():  # the model and its decoder stack, where they differ
         previous = owner.__dict__.get("set_attn_implementation", MISSING)
         set_instance_attr(owner, "set_attn_implementation", SetAttnImplementation(owner, private, previous), undo)
-    if evicts_in_continuous_batching() and callable(getattr(model, "init_continuous_batching", None)):
+    batching = callable(getattr(model, "init_continuous_batching", None))
+    if handle.config.evicts and batching and evicts_in_continuous_batching():
         previous = model.__dict__.get("init_continuous_batching", MISSING)
         set_instance_attr(model, "init_continuous_batching", InitContinuousBatching(model, state, previous), undo)
     install_compile_support(model, undo)

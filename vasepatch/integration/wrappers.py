@@ -277,8 +277,8 @@ def warn_not_evicting(state: PatchState, used: Any) -> None:
     """Warn once per patch (`NoEvictionWarning`) when a call of the patched model ran with a cache that
     is not vasepatch's, `used`: the one it was given, or the `DynamicCache` transformers built for a
     plain `model(ids)`. A call without a cache (`use_cache=False`) has nothing to evict: silent."""
-    if state.warned_not_evicting or used is None or isinstance(used, VaSECache):
-        return
+    if state.warned_not_evicting or used is None or isinstance(used, VaSECache) or not state.handle.config.evicts:
+        return  # `policy="full"` evicts nothing by its own choice
     if getattr(used, attention.PAGED_ATTR, None) is not None:  # continuous batching that evicts
         return
     state.warned_not_evicting = True
