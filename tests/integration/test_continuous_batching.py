@@ -228,6 +228,11 @@ def test_no_warning_and_the_patch_stays_while_a_manager_runs():
 
 
 def test_outside_the_supported_releases_the_batched_path_warns_that_it_evicts_nothing(monkeypatch):
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.24"):  # seen there with transformers 5.22.2
+        pytest.skip("before 5.24 continuous batching gives the decoder stack no cache keyword the warning reads")
     model = _model()
     prompts = _prompts((20, 45))
     full = _batch(model, prompts, 30)
