@@ -140,9 +140,10 @@ class PatchHandle:
     def batching_stats(self) -> dict[str, int]:
         """Counters of the most recent continuous batching of this patch (`generate_batch`, a manager from
         `init_continuous_batching`), all 0 before any: `evictions` (one per request evicted at a step),
-        `evicted_tokens` (slots dropped, per request and KV head, summed), `blocks_freed` (blocks given back to the
-        paged cache's allocator) and `peak_blocks` (the most blocks a request held at a step after its first
-        eviction: at most `ceil((budget + window) / page_size)` with `prefill="compress"`)."""
+        `evicted_tokens` (slots dropped, summed over requests: each of a request's layers and KV heads drops as
+        many), `blocks_freed` (blocks given back to the paged cache's allocator) and `peak_blocks` (the most blocks a
+        request held at a step after its first eviction: at most `ceil((budget + window) / page_size)` with
+        `prefill="compress"`)."""
         if self.batching is None:
             return {"evictions": 0, "evicted_tokens": 0, "blocks_freed": 0, "peak_blocks": 0}
         return self.batching.stats()

@@ -109,8 +109,7 @@ class PagedEviction:
         pinned = schedule.pinned(mode, prompt)
         capacity = schedule.capacity(config.budget, config.window, prompt, mode)
         self.requests[req_id] = _Request(state, pinned, capacity, EvictionRandomness(config.seed))
-        self.rings.assign(req_id, config.window)
-        return self.requests[req_id]
+        return self.requests[req_id]  # its ring comes with its first step (`after_prepare`), not while it waits
 
     def _fork(self, req_id: str, state: Any, parent: _Request) -> _Request:
         """A child forked from `parent` (its cache copied from the parent's, `num_return_sequences`): the parent's
@@ -138,19 +137,24 @@ class PagedEviction:
         )
 
     def _evict(self, req_id: str, state: Any) -> None:
-        """Keep `pinned + budget` slots of the request (module docstring), give its tail blocks back."""
+        """Keep `pinned + budget` slots of the request (module docstring), a layer at a time (one layer's slots read
+        at once), then give its tail blocks back."""
         r, config, alloc = self.requests[req_id], self.config, self.allocator
         n, keep = state.position_offset, r.pinned + self.config.budget
-        blocks = alloc.block_table[req_id]
         device = self.views[0][0].device
-        rows = layout.slot_rows(blocks, r.pinned, n, alloc.tokens_per_page, alloc.block_physical_stride, device)
-        keys, values = layout.read_slots(self.views, rows)  # [layers, kv_heads, n - pinned, head_dim]
-        layers, heads = keys.shape[:2]
-        positions = candidate_positions(r.kept, layers, heads, n, r.dropped, r.pinned).to(device)
+        rows = layout.slot_rows(
+            alloc.block_table[req_id], r.pinned, n, alloc.tokens_per_page, alloc.block_physical_stride, device
+        )
+        heads = self.views[0][0].shape[1]
+        positions = candidate_positions(r.kept, len(self.views), heads, n, r.dropped, r.pinned).to(device)
         queries = self.rings.queries(req_id, alloc.layer_indices)
-        kept = torch.cat([self._choose(r, i, keys, values, positions, queries, n - r.pinned) for i in range(layers)])
-        layout.write_slots(self.views, rows[: config.budget], gather_slots(keys, kept), gather_slots(values, kept))
-        r.kept = positions.gather(-1, kept)
+        kept_positions = []
+        for i, view in enumerate(self.views):
+            keys, values = layout.read_slots([view], rows)  # [1, kv_heads, n - pinned, head_dim]
+            kept = self._choose(r, i, keys, values, positions[i : i + 1], queries[i : i + 1], n - r.pinned)
+            layout.write_slots([view], rows[: config.budget], gather_slots(keys, kept), gather_slots(values, kept))
+            kept_positions.append(positions[i : i + 1].gather(-1, kept))
+        r.kept = torch.cat(kept_positions)
         self._cut(req_id, -(-keep // alloc.tokens_per_page))
         state.position_offset = r.seen = keep
         r.dropped += n - keep
@@ -159,7 +163,8 @@ class PagedEviction:
         self.evictions += 1
 
     def _choose(self, r: _Request, i: int, keys, values, positions, queries, n: int) -> torch.Tensor:
-        """`[1, kv_heads, budget]`: the slots layer `i` keeps, chosen as the transformers cache chooses."""
+        """`[1, kv_heads, budget]`: the slots layer `i` (`keys`, `values`, `positions`, `queries` its own, batch 1)
+        keeps, chosen as the transformers cache chooses."""
         layer = self.allocator.layer_indices[i]
         device = keys.device
         generator = KeyedGenerator(r.rng.generation_seed(), layer, r.rounds, 0, device)
@@ -167,10 +172,9 @@ class PagedEviction:
             head_ids(torch.tensor([layer], device=device), keys.shape[1]) if "head_ids" in self.policy.inputs else None
         )
         valid = torch.ones(1, keys.shape[1], n, dtype=torch.bool, device=device)
-        one = slice(i, i + 1)
         return kept_slots(
-            self.policy, keys[one], values[one], positions[one], valid, queries[one], n, self.config.budget,
-            self.config.window, generator, ids,
+            self.policy, keys, values, positions, valid, queries, n, self.config.budget, self.config.window,
+            generator, ids,
         )  # fmt: skip
 
     def _cut(self, req_id: str, blocks: int) -> None:
@@ -194,6 +198,7 @@ class PagedEviction:
             r = self._register(req_id, future.state)
             dropped = 0 if r is None else r.dropped
             if r is not None:
+                self.rings.assign(req_id, self.config.window)  # once
                 ids.append(req_id), starts.append(start), counts.append(count), firsts.append(before + dropped)
                 if r.rounds:  # the blocks it holds for this step, new ones included
                     self.peak_blocks = max(self.peak_blocks, len(self.allocator.block_table[req_id]))
@@ -209,8 +214,9 @@ class PagedEviction:
         self.rings.record(layer, query[0].transpose(0, 1))
 
     def stats(self) -> dict[str, int]:
-        """Evictions, slots dropped, blocks given back to the allocator, and the most blocks a request held at a
-        step after its first eviction (`PatchHandle.batching_stats`)."""
+        """Evictions, slots dropped (per request: each of its layers and KV heads drops as many), blocks given back to
+        the allocator, and the most blocks a request held at a step after its first eviction
+        (`PatchHandle.batching_stats`)."""
         return {
             "evictions": self.evictions, "evicted_tokens": self.evicted_tokens, "blocks_freed": self.blocks_freed,
             "peak_blocks": self.peak_blocks,

@@ -5,13 +5,15 @@
 `transformers serve --continuous-batching` on a model patched in the serving process all go through it. It
 
 - checks what eviction cannot do before any work (`refusal`): a model whose layers are not all full attention, a
-  latent (MLA) cache, tensor parallelism, CUDA graphs, compiled forwards and asynchronous batching asked for;
+  latent (MLA) cache, tensor parallelism, a flash attention (transformers' flash path reads the attention
+  implementation from the module's config, which the patch sets to its own), CUDA graphs, compiled forwards and
+  asynchronous batching asked for;
 - gives the manager a copy of its continuous-batching config with asynchronous batching and CUDA graphs off (both
-  run steps ahead of the host, which evicts between steps) and, unless `prefill="pin"`, prefix sharing off (an
-  eviction rewrites a request's blocks, which sharing would hand to others);
+  run steps ahead of the host, which evicts between steps), no switch to a flash attention, and, unless
+  `prefill="pin"`, prefix sharing off (an eviction rewrites a request's blocks, which sharing would hand to others);
 - instruments the manager (`instrument`): each batch processor it makes gets a `PagedEviction` (its scheduler's
-  `schedule_batch` and its inputs' `prepare_batch_tensors` wrapped on the instance), and a running manager counts
-  as a call in flight, so `unpatch` waits for `stop`.
+  `schedule_batch` and its inputs' `prepare_batch_tensors` wrapped on the instance), and its generation thread
+  counts as a call in flight from `start` until it ends, so `unpatch` waits for it.
 
 With `prefill="pin"` prefix sharing stays as the config sets it: only a request's prompt blocks are hashed for
 sharing (`pinned_hashing`), and the prompt is never written.
@@ -28,6 +30,8 @@ import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from vasepatch.integration import attention
 from vasepatch.integration.continuous.eviction import PagedEviction
@@ -59,13 +63,25 @@ class InitContinuousBatching:
             "the model holds a manager cached before this patch (persistent_manager=True), made with settings "
             "eviction cannot take; call model.destroy_cached_continuous_batching_manager() first"
         )  # fmt: skip
-        problem = problem or refusal(self.model, continuous_batching_config)
+        given = given_config(self.model, generation_config, continuous_batching_config)
+        problem = problem or refusal(self.model, given)
         if problem:
             raise ValueError(f"vasepatch cannot evict inside this continuous batching: {problem}")
-        config = evicting_config(self.model, generation_config, continuous_batching_config, self.state)
-        manager = original(generation_config, config, workload_hints)
+        manager = original(generation_config, evicting_config(given, self.state), workload_hints)
         instrument(manager, self.state)
         return manager
+
+
+def given_config(model: Any, generation_config: Any, cb_config: Any) -> Any:
+    """The continuous-batching config the manager would use: the one given, else the generation config's
+    (deprecated), else the default."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    if cb_config is None:
+        given = getattr(generation_config if generation_config is not None else model.generation_config,
+                        "continuous_batching_config", None)  # fmt: skip
+        cb_config = given if isinstance(given, ContinuousBatchingConfig) else ContinuousBatchingConfig()
+    return cb_config
 
 
 def refusal(model: Any, cb_config: Any) -> str:
@@ -83,24 +99,24 @@ def refusal(model: Any, cb_config: Any) -> str:
     for name in ("use_cuda_graph", "use_async_batching"):
         if getattr(cb_config, name, None):
             return f"continuous_batching_config.{name}=True runs steps ahead of the host, which evicts between steps"
-    for name in ("varlen_compile_config", "decode_compile_config"):
-        if getattr(cb_config, name, None) is not None:
-            return f"continuous_batching_config.{name} is set: compiled continuous batching is not supported"
+    compiled = [n for n in ("varlen_compile_config", "decode_compile_config") if getattr(cb_config, n, None)]
+    if compiled or getattr(cb_config, "default_compile_level", 0) or getattr(model.config, "compile_config", None):
+        where = f"continuous_batching_config.{compiled[0]}" if compiled else "a compile level or compile_config"
+        return f"{where} asks for compiled forwards: compiled continuous batching is not supported"
+    implementation = str(model.config._attn_implementation or "")
+    if "flash" in implementation:
+        return (
+            f"the model runs {implementation!r}; continuous batching evicts with its sdpa or eager attention (load "
+            "the model with attn_implementation='sdpa')"
+        )
     return ""
 
 
-def evicting_config(model: Any, generation_config: Any, cb_config: Any, state: PatchState) -> Any:
-    """A copy of the continuous-batching config the manager would use (the given one, else the generation
-    config's, else the default), with asynchronous batching and CUDA graphs off and, unless `prefill="pin"`,
-    prefix sharing off (logged)."""
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    if cb_config is None:
-        given = getattr(generation_config if generation_config is not None else model.generation_config,
-                        "continuous_batching_config", None)  # fmt: skip
-        cb_config = given if isinstance(given, ContinuousBatchingConfig) else ContinuousBatchingConfig()
+def evicting_config(cb_config: Any, state: PatchState) -> Any:
+    """A copy of `cb_config` with asynchronous batching, CUDA graphs and the switch to a flash attention off and,
+    unless `prefill="pin"`, prefix sharing off (logged)."""
     config = copy.deepcopy(cb_config)
-    config.use_async_batching, config.use_cuda_graph = False, False
+    config.use_async_batching, config.use_cuda_graph, config.auto_switch_to_flash = False, False, False
     if config.allow_block_sharing and state.handle.config.prefill != "pin":
         LOG.info(
             "vasepatch: prefix sharing is off in this continuous batching: with prefill=%r an eviction rewrites "
@@ -112,12 +128,13 @@ def evicting_config(model: Any, generation_config: Any, cb_config: Any, state: P
 
 
 def instrument(manager: Any, state: PatchState) -> None:
-    """Make `manager` evict for `state`'s patch (once): its batch processors (`attach`), and its run counted as a
-    call in flight from `start` to `stop` (or `destroy`)."""
+    """Make `manager` evict for `state`'s patch (once): its batch processors (`attach`), and its generation thread
+    counted as a call in flight from `start` until the thread ends (after `stop`, or on an error)."""
     if manager.__dict__.get(MANAGER_ATTR) is state:
         return
     manager.__dict__[MANAGER_ATTR] = state
-    create, start, stop = (manager.__dict__.get(n, MISSING) for n in ("_create_batch_processor", "start", "stop"))
+    create, start, loop = (manager.__dict__.get(n, MISSING) for n in ("_create_batch_processor", "start",
+                                                                     "_run_generation_loop"))  # fmt: skip
     held: list[Callable[[], None]] = []
 
     def create_processor() -> Any:
@@ -126,18 +143,22 @@ def instrument(manager: Any, state: PatchState) -> None:
         return processor
 
     def started(*args: Any, **kwargs: Any) -> Any:
-        if not held:
-            held.append(state.hold())
-        return original_method(manager, "start", start)(*args, **kwargs)
-
-    def stopped(*args: Any, **kwargs: Any) -> Any:
+        thread = manager._generation_thread
+        held.append(state.hold())  # before the thread starts: `unpatch` cannot slip in between
         try:
-            return original_method(manager, "stop", stop)(*args, **kwargs)
+            return original_method(manager, "start", start)(*args, **kwargs)
         finally:
-            while held:
+            if manager._generation_thread is thread:  # already running: no new thread, no new hold
                 held.pop()()
 
-    manager.__dict__.update(_create_batch_processor=create_processor, start=started, stop=stopped)
+    def run_loop(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original_method(manager, "_run_generation_loop", loop)(*args, **kwargs)
+        finally:
+            if held:
+                held.pop(0)()
+
+    manager.__dict__.update(_create_batch_processor=create_processor, start=started, _run_generation_loop=run_loop)
 
 
 def attach(processor: Any, state: PatchState) -> None:
@@ -157,10 +178,12 @@ def attach(processor: Any, state: PatchState) -> None:
         pinned_hashing(cache, eviction)
     scheduler, io = processor.scheduler, processor.inputs_and_outputs
     schedule, prepare = scheduler.schedule_batch, io.prepare_batch_tensors
+    stream = getattr(io, "compute_stream", None)  # an accelerator's: the forward's stream
 
     def schedule_batch(*args: Any, **kwargs: Any) -> Any:
         if not state.removed:
             eviction.before_schedule(scheduler)
+            ordered_before(stream)
         return schedule(*args, **kwargs)
 
     def prepare_batch_tensors(requests_in_batch: list[Any], *args: Any, **kwargs: Any) -> Any:
@@ -168,9 +191,18 @@ def attach(processor: Any, state: PatchState) -> None:
         out = prepare(requests_in_batch, *args, **kwargs)
         if not state.removed:
             eviction.after_prepare(io, requests_in_batch, past)
+            ordered_before(stream)
         return out
 
     scheduler.schedule_batch, io.prepare_batch_tensors = schedule_batch, prepare_batch_tensors
+
+
+def ordered_before(stream: Any) -> None:
+    """Make the forward's `stream` (None on the CPU) wait for what the current stream has queued: an eviction's
+    writes to the cache and the position ids' shift run on the current stream, and the forward reads both. (The
+    cache the eviction reads is the last forward's, which the host has waited for: synchronous batching.)"""
+    if stream is not None:
+        stream.wait_stream(torch.get_device_module().current_stream())
 
 
 def check_cache(cache: Any) -> None:
