@@ -14,8 +14,8 @@ from vasepatch.integration.compat import check_transformers
 from vasepatch.tools import cli, threads
 from vasepatch.tools.cli import main
 
-COMMANDS = {"demo", "generate", "eval fidelity", "eval task", "bench", "calibrate"}
-REQUIRED = {"generate": ["hi"], "calibrate": ["m"]}  # positional arguments a command needs to parse
+COMMANDS = {"demo", "generate", "eval fidelity", "eval task", "bench", "calibrate", "serve"}
+REQUIRED = {"generate": ["hi"], "calibrate": ["m"], "serve": ["m"]}  # positional arguments a command needs to parse
 
 
 @pytest.mark.slow
@@ -56,8 +56,9 @@ def test_every_command_takes_threads_and_debug():
 def test_threads_are_set_before_the_command_runs_and_restored(name, monkeypatch):
     """`run` sets torch's threads before the command and restores the caller's afterwards."""
     module = {"demo": "tools.demo", "generate": "tools.generate", "eval fidelity": "eval.fidelity",
-              "eval task": "eval.task", "bench": "bench.cli", "calibrate": "tools.calibrate"}[name]  # fmt: skip
-    entry = "run" if name in ("demo", "generate", "calibrate") else "main"
+              "eval task": "eval.task", "bench": "bench.cli", "calibrate": "tools.calibrate",
+              "serve": "tools.serve"}[name]  # fmt: skip
+    entry = "run" if name in ("demo", "generate", "calibrate", "serve") else "main"
     seen = []
     monkeypatch.setattr(f"vasepatch.{module}.{entry}", lambda args: seen.append(torch.get_num_threads()))
     before = torch.get_num_threads()

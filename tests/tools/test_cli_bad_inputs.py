@@ -173,13 +173,21 @@ CALIBRATE: list[tuple[list[str], str]] = [
     (["calibrate", "<tiny-model>", "--tokens", "10000000"], r"--tokens 10000000 is more than MATH-500 .* has"),
     (["calibrate"], r"the following arguments are required: model"),
 ]
+SERVE: list[tuple[list[str], str]] = [
+    (["serve", "<tiny-model>", "--budget", "1"], r"argument --budget: must be an int in \[2, 2147483647\], got 1"),
+    (["serve", "<tiny-model>", "--budget", "8", "--window", "8"], r"window must be smaller than budget"),
+    (["serve", "<tiny-model>", "--policy", "nope"], r"'nope'"),
+    (["serve", "<tiny-model>", "--prefill", "all"], r"argument --prefill: invalid choice: 'all'"),
+    (["serve", "<tiny-model>", "--port", "8000"], r"unrecognized arguments: --port 8000"),
+    (["serve"], r"the following arguments are required: model"),
+]
 TOP: list[tuple[list[str], str]] = [
     ([], r"the following arguments are required: command"),
     (["nope"], r"argument command: invalid choice: 'nope'"),
     (["eval"], r"the following arguments are required: evaluation"),
 ]
 
-BAD_INPUTS: list[tuple[list[str], str]] = TOP + GENERATE + DEMO + FIDELITY + TASK + BENCH + CALIBRATE
+BAD_INPUTS: list[tuple[list[str], str]] = TOP + GENERATE + DEMO + FIDELITY + TASK + BENCH + CALIBRATE + SERVE
 """Every bad input of the command line and the one-line error it gets (a regex of it)."""
 
 
@@ -252,12 +260,14 @@ def no_work(monkeypatch):
 
     import vasepatch.bench.runner
     import vasepatch.models
+    import vasepatch.tools.serve
 
     def fail(*args, **kwargs):
         pytest.fail("work started: the bad input was not refused first")
 
     monkeypatch.setattr(vasepatch.models, "load", fail)
     monkeypatch.setattr(vasepatch.bench.runner, "run_benchmark", fail)
+    monkeypatch.setattr(vasepatch.tools.serve, "launch", fail)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fail)
 
 

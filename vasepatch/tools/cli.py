@@ -25,6 +25,7 @@ errors are `ValueError`s; a path that cannot be read or written raises one of th
 COMMANDS = {
     ("demo",): ("vasepatch.tools.demo", "run", "generate with VaSE on SmolLM2 and compare with the full cache"),
     ("generate",): ("vasepatch.tools.generate", "run", "stream a model's answer through the VaSE cache"),
+    ("serve",): ("vasepatch.tools.serve", "run", "transformers serve --continuous-batching on a patched model"),
     ("calibrate",): ("vasepatch.tools.calibrate", "run", "query statistics for the triattention policy"),
     ("eval", "fidelity"): ("vasepatch.eval.fidelity", "main", "KL / top-1 agreement / loops vs full cache"),
     ("eval", "task"): ("vasepatch.eval.task", "main", "accuracy on GSM8K / MATH-500 / AIME25, or pass-key"),
@@ -52,6 +53,7 @@ class CommandParser(Parser):
     def __init__(self, *args, module: str = "", entry: str = "", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.module, self.entry, self.loaded = module, entry, not module
+        self.passthrough: str | None = None  # a command's attribute for the words after `--`, passed on unparsed
 
     def load(self) -> CommandParser:
         """Add the command's arguments (`add_arguments` of its module) and its entry point, once."""
@@ -64,7 +66,12 @@ class CommandParser(Parser):
 
     def parse_known_args(self, args=None, namespace=None):
         self.load()
-        return super().parse_known_args(args, namespace)
+        if self.passthrough is None or args is None or "--" not in args:
+            return super().parse_known_args(args, namespace)
+        cut = args.index("--")  # what follows is another program's command line (`vasepatch serve ... -- ...`)
+        namespace, extras = super().parse_known_args(args[:cut], namespace)
+        setattr(namespace, self.passthrough, list(args[cut + 1 :]))
+        return namespace, extras
 
     def format_help(self) -> str:
         self.load()

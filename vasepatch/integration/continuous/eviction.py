@@ -23,7 +23,7 @@ the slots it keeps. So a request keeps the kept sets that the same request alone
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import logging
 from typing import Any
 
 import torch
@@ -38,12 +38,13 @@ from vasepatch.integration.continuous import layout
 from vasepatch.policies.base import head_ids, kept_slots
 from vasepatch.policies.keyed import EvictionRandomness, KeyedGenerator
 
+LOG = logging.getLogger("vasepatch")
 WARMUP_PREFIX = "__warmup"  # transformers' warmup requests (model_runner.py): never evicted
 CHILD_MARK = "__child#"  # transformers' forked requests: `<parent id>__child#<i>` (`num_return_sequences`)
 DECODING = 2  # transformers' RequestStatus.DECODING: the prompt is scheduled whole
 
 
-@dataclass
+@dataclasses.dataclass
 class _Request:
     """What one request's evictions need between steps (host ints, and the kept positions of the last one)."""
 
@@ -55,6 +56,7 @@ class _Request:
     rounds: int = 0
     seen: int = -1  # the physical length at the last check
     prefilled: bool = False
+    peak_blocks: int = 0  # the most blocks it held at a step after its first eviction
     kept: torch.Tensor | None = None  # [layers, kv_heads, budget]: positions of the slots after the pinned ones
 
 
@@ -86,7 +88,7 @@ class PagedEviction:
     def before_schedule(self, scheduler: Any) -> None:
         held = {**scheduler.waiting_requests, **scheduler.active_requests}
         for req_id in [r for r in self.requests if r not in held]:
-            self._forget(req_id)
+            self.ended(req_id)
         for req_id, state in held.items():
             self._register(req_id, state)
         due = [r for r, s in scheduler.active_requests.items() if r in self.requests and self._due(r, s)]
@@ -117,6 +119,17 @@ class PagedEviction:
         self.requests[req_id] = dataclasses.replace(parent, state=state, rng=EvictionRandomness(self.config.seed))
         self.rings.copy(parent.state.request_id, req_id)
         return self.requests[req_id]
+
+    def ended(self, req_id: str) -> None:
+        """The request left the processor (finished, failed or cancelled): forgotten, and one info line if it evicted
+        (what `vasepatch serve` shows an operator)."""
+        r = self.requests[req_id]
+        if r.rounds:
+            LOG.info(
+                "vasepatch: request %s ended: %d evictions, %d tokens dropped, held at most %d blocks",
+                req_id, r.rounds, r.dropped, r.peak_blocks,
+            )  # fmt: skip
+        self._forget(req_id)
 
     def _forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -201,7 +214,8 @@ class PagedEviction:
                 self.rings.assign(req_id, self.config.window)  # once
                 ids.append(req_id), starts.append(start), counts.append(count), firsts.append(before + dropped)
                 if r.rounds:  # the blocks it holds for this step, new ones included
-                    self.peak_blocks = max(self.peak_blocks, len(self.allocator.block_table[req_id]))
+                    r.peak_blocks = max(r.peak_blocks, len(self.allocator.block_table[req_id]))
+                    self.peak_blocks = max(self.peak_blocks, r.peak_blocks)
             offsets.append((dropped, count))
             start += count
         self.rings.plan(ids, starts, counts, firsts)

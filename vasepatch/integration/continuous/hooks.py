@@ -39,6 +39,7 @@ from vasepatch.integration.handle import MISSING
 from vasepatch.integration.wrappers import PatchState, original_method
 
 LOG = logging.getLogger("vasepatch")
+FINISHED = 3  # transformers' RequestStatus.FINISHED (FAILED is 4)
 MANAGER_ATTR = "_vasepatch_state"  # on an instrumented manager: the patch it evicts for
 
 
@@ -163,7 +164,8 @@ def instrument(manager: Any, state: PatchState) -> None:
 
 def attach(processor: Any, state: PatchState) -> None:
     """Give `processor` its `PagedEviction` (a reused processor's is reset) and wrap, on the instances, its
-    scheduler's `schedule_batch` (evict before it) and its inputs' `prepare_batch_tensors` (positions after it)."""
+    scheduler's `schedule_batch` (evict before it) and `finish_request` (a request that ended is forgotten), and its
+    inputs' `prepare_batch_tensors` (positions after it)."""
     cache = processor.cache
     known = cache.__dict__.get(attention.PAGED_ATTR)
     if known is not None:
@@ -177,7 +179,7 @@ def attach(processor: Any, state: PatchState) -> None:
     if state.handle.config.prefill == "pin":
         pinned_hashing(cache, eviction)
     scheduler, io = processor.scheduler, processor.inputs_and_outputs
-    schedule, prepare = scheduler.schedule_batch, io.prepare_batch_tensors
+    schedule, prepare, finish = scheduler.schedule_batch, io.prepare_batch_tensors, scheduler.finish_request
     stream = getattr(io, "compute_stream", None)  # an accelerator's: the forward's stream
 
     def schedule_batch(*args: Any, **kwargs: Any) -> Any:
@@ -194,7 +196,15 @@ def attach(processor: Any, state: PatchState) -> None:
             ordered_before(stream)
         return out
 
+    def finish_request(request_id: str, *args: Any, **kwargs: Any) -> Any:
+        request = scheduler.active_requests.get(request_id)
+        out = finish(request_id, *args, **kwargs)
+        if request is not None and int(request.status) >= FINISHED and request_id in eviction.requests:
+            eviction.ended(request_id)  # finished or failed, not offloaded (which finishes it to queue it again)
+        return out
+
     scheduler.schedule_batch, io.prepare_batch_tensors = schedule_batch, prepare_batch_tensors
+    scheduler.finish_request = finish_request
 
 
 def ordered_before(stream: Any) -> None:

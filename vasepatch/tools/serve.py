@@ -1,0 +1,115 @@
+"""`vasepatch serve MODEL [cache options] [-- transformers serve options]`: transformers' OpenAI-compatible server
+(`transformers serve --continuous-batching`) on a patched model.
+
+transformers serve loads its model in a process of its own, so a model patched in the caller's process never
+reaches it. This command runs transformers serve itself, with every option after `--` passed to it as it is, and
+with a loader that patches each model it loads (`serve_loader.PatchingLoader`) with the cache options given here.
+Continuous batching is on unless `--no-continuous-batching` is passed after `--` (each request then goes through
+the patched `generate`). Every request evicts with these settings, inside transformers' paged cache, and each
+request that evicted logs one line to the server's stderr when it ends:
+`vasepatch: request <id> ended: 5 evictions, 640 tokens dropped, held at most 3 blocks`.
+
+Everything is checked before the server starts: the cache options (`VaSEConfig`, the policy), the transformers
+release (serve's loader, 5.25; continuous batching that evicts, `compat.CONTINUOUS_BATCHING`) and serve's
+dependencies (`pip install "vasepatch[serve]"`). A registered name (`smollm2-135m`, ...) is served from its
+converted folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from vasepatch import models
+from vasepatch.config import PREFILL_MODES, VaSEConfig
+from vasepatch.tools.cli_args import int_in, policy_name, seed
+from vasepatch.tools.generate import MODEL_HELP, check_policy, policy_help
+
+SERVE_EXTRA = 'pip install "vasepatch[serve]"'
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = " (default: %(default)s)"
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument(
+        "--budget", type=int_in(2), default=256, help="KV pairs kept per layer and head after each eviction" + d
+    )
+    p.add_argument(
+        "--window", type=int_in(1), default=64, help="recent tokens always kept; evicts every WINDOW tokens" + d
+    )
+    p.add_argument("--policy", type=policy_name, default="vase", help=policy_help() + d)
+    p.add_argument("--protect", type=int_in(0), default=None, help="protected slots (default: budget // 4)")
+    p.add_argument("--sinks", type=int_in(0), default=4, help="first tokens always kept" + d)
+    p.add_argument("--prefill", choices=PREFILL_MODES, default="compress", help="compress, keep or pin the prompt" + d)
+    p.add_argument("--seed", type=seed, default=0, help="seeds VaSE's eviction sampling" + d)
+    p.passthrough = "serve_args"  # `cli.CommandParser`: the words after `--`, unparsed
+    p.set_defaults(serve_args=[])
+    p.epilog = "Options after -- go to transformers serve as they are: --host, --port, --cb-num-blocks, ..."
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The validated keyword arguments of `vasepatch.patch` (ValueError naming a bad one, the policy's included)."""
+    config = VaSEConfig(
+        budget=args.budget,
+        window=args.window,
+        protect=args.protect,
+        sinks=args.sinks,
+        policy=args.policy,
+        seed=args.seed,
+        prefill=args.prefill,
+    )
+    check_policy(config)
+    return {"config": config}
+
+
+def serve_argv(model: str, passed: list[str]) -> list[str]:
+    """transformers serve's command line: `passed` (what followed `--`), continuous batching on unless it says."""
+    batching = any(a in ("--continuous-batching", "--no-continuous-batching") for a in passed)
+    return [model, *([] if batching else ["--continuous-batching"]), *passed]
+
+
+def check_release(argv: list[str]) -> None:
+    """ValueError unless this transformers can serve a patched model: serve's dependencies, its `ModelLoader`
+    (5.25) and, with continuous batching, a batched path that evicts (a command-line error, before any work)."""
+    import transformers
+    from transformers.utils.import_utils import is_serve_available
+
+    from vasepatch.integration.compat import CONTINUOUS_BATCHING, evicts_in_continuous_batching
+
+    if not is_serve_available():
+        raise ValueError(f"transformers serve needs its dependencies: {SERVE_EXTRA}")
+    found = transformers.__version__
+    try:
+        from transformers.cli.serving.model_manager import ModelLoader  # noqa: F401
+    except ImportError:
+        raise ValueError(f"vasepatch serve needs transformers >= 5.25 (serve's ModelLoader); found {found}") from None
+    if "--no-continuous-batching" not in argv and not evicts_in_continuous_batching():
+        low, high = CONTINUOUS_BATCHING
+        raise ValueError(
+            f"continuous batching evicts with transformers >={low},<{high}; found {found} "
+            "(pass -- --no-continuous-batching to serve through the patched generate)"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    patch_settings = settings(args)
+    argv = serve_argv(args.model, args.serve_args)
+    check_release(argv)
+    argv[0] = str(models.resolve(args.model))  # a registered name's folder; a local folder or a Hub id as it is
+    return launch(argv, patch_settings)
+
+
+def launch(argv: list[str], patch_settings: dict[str, Any]) -> int:
+    """Run `transformers serve *argv` with `PatchingLoader` as serve's loader (until the server stops)."""
+    import click
+    from transformers.cli.transformers import app
+    from typer.main import get_command
+
+    from vasepatch.tools.serve_loader import installed
+
+    command = app if isinstance(app, click.Command) else get_command(app)  # huggingface_hub's group, or a Typer
+    print(f"vasepatch: serving {argv[0]} (the model name requests give)", file=sys.stderr, flush=True)
+    with installed(patch_settings):
+        command.main(args=["serve", *argv], prog_name="vasepatch serve", standalone_mode=False)
+    return 0
