@@ -16,6 +16,7 @@ import torch
 from transformers import GenerationConfig
 
 import vasepatch
+from tests import sliding_models
 from tests.tiny_models import VOCAB, tiny_model
 from vasepatch.errors import ModelInUseError, NoEvictionWarning
 from vasepatch.integration import compat, patching
@@ -267,20 +268,40 @@ def test_a_manager_cached_before_the_patch_is_refused_until_destroyed():
         model.destroy_cached_continuous_batching_manager()
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_sliding_window_layers_stay_as_the_model_defines_them(family):
+    """Full-attention layers evict, sliding ones keep exactly their window in transformers' ring (which reads true
+    positions after an eviction): each request's tokens are those of `generate` alone, whose sliding layers also
+    keep exactly their window (window <= budget)."""
+    model = sliding_models.tiny(sliding_models.sliding_config(family, window=12)).double()
+    prompts = _prompts([5, 21, 44])
+    with vasepatch.patched(model, budget=BUDGET, window=WINDOW, seed=0) as handle:
+        want = [_alone(model, p, 40) for p in prompts]
+        assert _arriving(model, prompts, 40, _cb()) == want
+        stats = handle.batching_stats()
+        assert stats["evictions"] > 0 and stats["peak_blocks"] <= math.ceil((BUDGET + WINDOW) / PAGE)
+    with vasepatch.patched(model, budget=BUDGET + 40, window=WINDOW, seed=0):  # nothing evicted: the model's tokens
+        assert _batch(model, prompts, 40) == [_alone(model, p, 40) for p in prompts]
+
+
 @pytest.mark.parametrize(
     ("family", "settings", "cb", "message"),
     [
         ("mistral", {"sliding_window": 16}, {}, r"layers are \['sliding_attention'\]"),
+        ("gemma3", {"window": 48}, {}, r"window of 48 tokens, more than budget=32.*a budget >= 48"),
         ("llama", {}, {"use_async_batching": True}, r"use_async_batching=True"),
         ("llama", {}, {"use_cuda_graph": True}, r"use_cuda_graph=True"),
         ("llama", {}, {"default_compile_level": 1}, r"compiled continuous batching is not supported"),
         ("llama", {"attn": "flash_attention_2"}, {}, r"runs 'flash_attention_2'.*attn_implementation='sdpa'"),
     ],
-    ids=["sliding-window", "async", "cuda-graphs", "compiled", "flash"],
+    ids=["all-sliding", "sliding-window-over-budget", "async", "cuda-graphs", "compiled", "flash"],
 )
 def test_what_it_cannot_evict_is_refused_by_name_before_any_work(family, settings, cb, message):
     flash = settings.pop("attn", None)
-    model = _model(family, **settings)
+    if family == "gemma3":
+        model = sliding_models.tiny(sliding_models.sliding_config(family, **settings)).double()
+    else:
+        model = _model(family, **settings)
     with vasepatch.patched(model, budget=BUDGET, window=WINDOW):
         if flash:  # no flash kernel on this machine: the config names it, as a model loaded with one does
             model.config._attn_implementation_internal = flash

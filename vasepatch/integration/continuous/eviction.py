@@ -66,9 +66,11 @@ class PagedEviction:
     def __init__(self, config: VaSEConfig, cache: Any) -> None:
         self.config = config
         self.policy = policies.for_config(config)
-        groups = list(cache.cache_allocators.values())
-        self.allocator = groups[0]  # `hooks.check_cache`: one group, of full attention
+        groups = list(cache.cache_allocators.values())  # `hooks.check_cache`: one of full attention, one sliding
+        self.allocator = next(g for g in groups if g.layer_type == "full_attention")
+        self.sliding = [g for g in groups if g is not self.allocator]  # each keeps exactly its window
         self.views = [self.allocator._kv_token_views[i] for i in self.allocator.layer_indices]
+        self.layers = set(self.allocator.layer_indices)
         self.rings = QueryRings()
         self.requests: dict[str, _Request] = {}
         self.evictions = 0
@@ -224,8 +226,10 @@ class PagedEviction:
             io.position_ids[: len(shift)] += shift.to(io.position_ids.device)
 
     def record(self, layer: int, query: torch.Tensor) -> None:
-        """Layer `layer`'s planned queries (`query`: `[1, q_heads, tokens, head_dim]`, after RoPE)."""
-        self.rings.record(layer, query[0].transpose(0, 1))
+        """Layer `layer`'s planned queries (`query`: `[1, q_heads, tokens, head_dim]`, after RoPE); a sliding layer's
+        are not needed."""
+        if layer in self.layers:
+            self.rings.record(layer, query[0].transpose(0, 1))
 
     def stats(self) -> dict[str, int]:
         """Evictions, slots dropped (per request: each of its layers and KV heads drops as many), blocks given back to

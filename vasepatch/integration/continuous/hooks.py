@@ -2,10 +2,11 @@
 
 `patch` sets `InitContinuousBatching` as the model's `init_continuous_batching`, the one way to a
 `ContinuousBatchingManager`: `generate_batch`, `continuous_batching_context_manager`, a manager made by hand, and
-`transformers serve --continuous-batching` on a model patched in the serving process all go through it. It
+`transformers serve --continuous-batching` on a model patched in the serving process (`vasepatch serve`) all go
+through it. It
 
-- checks what eviction cannot do before any work (`refusal`): a model whose layers are not all full attention, a
-  latent (MLA) cache, tensor parallelism, a flash attention (transformers' flash path reads the attention
+- checks what eviction cannot do before any work (`refusal`): a model without full-attention layers or with layers
+  other than full and sliding-window ones, a sliding window larger than the budget, a latent (MLA) cache, tensor parallelism, a flash attention (transformers' flash path reads the attention
   implementation from the module's config, which the patch sets to its own), CUDA graphs, compiled forwards and
   asynchronous batching asked for;
 - gives the manager a copy of its continuous-batching config with asynchronous batching and CUDA graphs off (both
@@ -65,7 +66,7 @@ class InitContinuousBatching:
             "eviction cannot take; call model.destroy_cached_continuous_batching_manager() first"
         )  # fmt: skip
         given = given_config(self.model, generation_config, continuous_batching_config)
-        problem = problem or refusal(self.model, given)
+        problem = problem or refusal(self.model, given, self.state.handle.config.budget)
         if problem:
             raise ValueError(f"vasepatch cannot evict inside this continuous batching: {problem}")
         manager = original(generation_config, evicting_config(given, self.state), workload_hints)
@@ -85,14 +86,24 @@ def given_config(model: Any, generation_config: Any, cb_config: Any) -> Any:
     return cb_config
 
 
-def refusal(model: Any, cb_config: Any) -> str:
+def refusal(model: Any, cb_config: Any, budget: int) -> str:
     """What rules eviction out for this model and config ('' when nothing does), naming the setting."""
     from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 
     text = model.config.get_text_config()
-    groups = group_layers_by_attn_type(text)
-    if set(groups) != {"full_attention"}:
-        return f"the model's layers are {sorted(groups)}; continuous batching evicts from full-attention layers only"
+    groups = set(group_layers_by_attn_type(text))
+    if "full_attention" not in groups or not groups <= {"full_attention", "sliding_attention"}:
+        return (
+            f"the model's layers are {sorted(groups)}; continuous batching evicts from full-attention layers (beside "
+            "sliding-window ones, whose ring transformers already bounds by the window)"
+        )
+    window = getattr(text, "sliding_window", None)
+    if "sliding_attention" in groups and window > budget:
+        return (
+            f"the model's sliding layers keep a window of {window} tokens, more than budget={budget}: a policy would "
+            f"choose inside transformers' ring of {window} slots (a budget >= {window} keeps the sliding layers as "
+            "the model defines them)"
+        )
     if getattr(text, "kv_lora_rank", None):
         return "the model caches compressed latents (MLA), not per-head keys and values"
     if getattr(model, "_device_mesh", None) is not None:
@@ -178,6 +189,8 @@ def attach(processor: Any, state: PatchState) -> None:
     state.handle.batching = eviction
     if state.handle.config.prefill == "pin":
         pinned_hashing(cache, eviction)
+    for group in eviction.sliding:
+        logical_ring(group, eviction)
     scheduler, io = processor.scheduler, processor.inputs_and_outputs
     schedule, prepare, finish = scheduler.schedule_batch, io.prepare_batch_tensors, scheduler.finish_request
     stream = getattr(io, "compute_stream", None)  # an accelerator's: the forward's stream
@@ -216,16 +229,21 @@ def ordered_before(stream: Any) -> None:
 
 
 def check_cache(cache: Any) -> None:
-    """The paged cache holds one group of full-attention layers, laid out as `layout` reads it (RuntimeError
-    naming what differs: the internals of a transformers release the hooks were not written for)."""
-    groups = list(cache.cache_allocators.values())
-    if len(groups) != 1 or getattr(groups[0], "layer_type", None) != "full_attention":
-        raise RuntimeError(
-            f"vasepatch: a paged cache of {len(groups)} allocator groups; one of full attention expected"
-        )
-    for name in ("_kv_token_views", "block_table", "ledger", "pool", "block_physical_stride", "tokens_per_page"):
-        if not hasattr(groups[0], name):
-            raise RuntimeError(f"vasepatch: transformers' paged cache allocator has no {name!r}")
+    """The paged cache holds one group of full-attention layers, laid out as `layout` reads it, and at most one of
+    sliding-window layers, a ring indexed by position (RuntimeError naming what differs: the internals of a
+    transformers release the hooks were not written for)."""
+    kinds = {kind: getattr(group, "layer_type", None) for kind, group in cache.cache_allocators.items()}
+    if "full_attention" not in kinds.values() or not set(kinds.values()) <= {"full_attention", "sliding_attention"}:
+        raise RuntimeError(f"vasepatch: paged cache allocators {kinds}; full attention (and sliding) expected")
+    needed = {
+        "full_attention": ("_kv_token_views", "block_table", "ledger", "pool", "block_physical_stride",
+                           "tokens_per_page"),
+        "sliding_attention": ("get_read_indices", "get_write_indices", "sliding_window"),
+    }  # fmt: skip
+    for group in cache.cache_allocators.values():
+        for name in needed[group.layer_type]:
+            if not hasattr(group, name):
+                raise RuntimeError(f"vasepatch: transformers' {group.layer_type} cache allocator has no {name!r}")
 
 
 def pinned_hashing(cache: Any, eviction: PagedEviction) -> None:
@@ -239,3 +257,19 @@ def pinned_hashing(cache: Any, eviction: PagedEviction) -> None:
         return mark(request_id, token_ids if request is None else token_ids[: request.pinned], new_blocks)
 
     allocator.mark_complete_blocks = mark_complete_blocks
+
+
+def logical_ring(allocator: Any, eviction: PagedEviction) -> None:
+    """A sliding-window group's ring holds the token at position `p` in slot `p % sliding_window`; its indices are
+    computed from the request's `position_offset`, which after an eviction counts the slots the request holds in the
+    full-attention group. So they get back the tokens the request dropped. (The ring's length and blocks, which read
+    the same offset, are the same either way: both counts are at least the window after an eviction, as the window
+    is at most the budget.)"""
+    for name in ("get_read_indices", "get_write_indices"):
+        method = getattr(allocator, name)
+
+        def logical(request_id: str, past_length: int, query_length: int, method: Any = method) -> Any:
+            request = eviction.requests.get(request_id)
+            return method(request_id, past_length + (0 if request is None else request.dropped), query_length)
+
+        setattr(allocator, name, logical)
