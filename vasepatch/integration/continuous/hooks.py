@@ -6,14 +6,15 @@
 through it. It
 
 - checks what eviction cannot do before any work (`refusal`): a model without full-attention layers or with layers
-  other than full and sliding-window ones, a sliding window larger than the budget, a latent (MLA) cache, tensor parallelism, a flash attention (transformers' flash path reads the attention
-  implementation from the module's config, which the patch sets to its own), CUDA graphs, compiled forwards and
-  asynchronous batching asked for;
+  other than full and sliding-window ones, a sliding window larger than the budget, a latent (MLA) cache, tensor
+  parallelism, a flash attention (transformers' flash path reads the attention implementation from the module's
+  config, which the patch sets to its own), CUDA graphs, compiled forwards and asynchronous batching asked for;
 - gives the manager a copy of its continuous-batching config with asynchronous batching and CUDA graphs off (both
   run steps ahead of the host, which evicts between steps), no switch to a flash attention, and, unless
   `prefill="pin"`, prefix sharing off (an eviction rewrites a request's blocks, which sharing would hand to others);
 - instruments the manager (`instrument`): each batch processor it makes gets a `PagedEviction` (its scheduler's
-  `schedule_batch` and its inputs' `prepare_batch_tensors` wrapped on the instance), and its generation thread
+  `schedule_batch` and `finish_request` and its inputs' `prepare_batch_tensors` wrapped on the instance, a
+  sliding-window group's ring indices made logical), and its generation thread
   counts as a call in flight from `start` until it ends, so `unpatch` waits for it.
 
 With `prefill="pin"` prefix sharing stays as the config sets it: only a request's prompt blocks are hashed for
