@@ -191,10 +191,12 @@ def test_evicting_requests_give_blocks_back_so_more_run_at_once(monkeypatch):
     assert stats["peak_blocks"] <= math.ceil((BUDGET + WINDOW) / PAGE) and stats["blocks_freed"] > 0
 
 
-def test_forked_requests_start_from_their_parents_queries():
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_forked_requests_start_from_their_parents_queries(family):
     """`num_return_sequences=3` (transformers forks a request after its prompt, copying its blocks): each child
-    evicts from the parent's queries, so with greedy sampling all three equal the request alone."""
-    model = _model()
+    evicts from the parent's queries, so with greedy sampling all three equal the request alone (with sliding
+    layers too: each child's ring is its own copy)."""
+    model = _model() if family == "llama" else sliding_models.tiny(sliding_models.sliding_config(family, 12)).double()
     prompts = _prompts((20, 45))
     config = GenerationConfig(max_new_tokens=40, do_sample=True, top_k=1, eos_token_id=-1, pad_token_id=0,
                               num_return_sequences=3)  # fmt: skip

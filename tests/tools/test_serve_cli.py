@@ -76,6 +76,50 @@ def test_a_release_whose_batching_does_not_evict_is_refused_before_the_server_st
     assert main(["serve", str(model_dir), "--budget", "16", "--window", "4", "--", "--no-continuous-batching"]) == 0
 
 
+@needs_evicting_batching
+@pytest.mark.parametrize(
+    ("passed", "message"),
+    [
+        (["--cb-use-cuda-graph"], r"option --cb-use-cuda-graph: CUDA graphs run steps ahead of the host"),
+        (["--compile"], r"option --compile: compiled continuous batching is not supported"),
+        (["--attn-implementation", "flash_attention_2"], r"--attn-implementation flash_attention_2: .* sdpa"),
+        (["--attn-implementation=kernels-community/flash-attn3"], r"--attn-implementation kernels-community/flash"),
+    ],
+)
+def test_serve_options_eviction_refuses_are_refused_before_the_server_starts(
+    passed, message, model_dir, launched, capsys
+):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", str(model_dir), "--budget", "16", "--window", "4", "--", *passed])
+    assert exit_info.value.code == 2 and not launched
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err), err
+
+
+@needs_evicting_batching
+def test_a_local_model_whose_layers_cannot_evict_is_refused_before_the_server_starts(tmp_path, launched, capsys):
+    from tests import sliding_models
+    from tests.tiny_tokenizer import tiny_tokenizer
+
+    sliding_models.tiny(sliding_models.sliding_config("gemma3", window=48)).save_pretrained(tmp_path)
+    tiny_tokenizer(sliding_models.VOCAB).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", str(tmp_path), "--budget", "32", "--window", "8"])
+    assert exit_info.value.code == 2 and not launched
+    assert "sliding layers keep a window of 48 tokens, more than budget=32" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--budget", "48", "--window", "8"]) == 0  # a budget >= the window
+    assert main(["serve", str(tmp_path), "--budget", "32", "--window", "8", "--", "--no-continuous-batching"]) == 0
+
+
+def test_transformers_serves_own_usage_errors_are_one_line(model_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", str(model_dir), "--budget", "16", "--window", "4", "--", "--prot", "8000"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]
+    assert last.startswith("vasepatch: error: transformers serve: No such option '--prot'") and "Traceback" not in err
+
+
 def test_the_loader_carries_its_settings_to_the_models_process_and_patches_what_it_loads(model_dir):
     stock = model_manager.ModelLoader
     settings = serve.settings(main_args(["serve", str(model_dir), "--budget", "20", "--window", "3"]))

@@ -9,10 +9,13 @@ the patched `generate`). Every request evicts with these settings, inside transf
 request that evicted logs one line to the server's stderr when it ends:
 `vasepatch: request <id> ended: 5 evictions, 640 tokens dropped, held at most 3 blocks`.
 
-Everything is checked before the server starts: the cache options (`VaSEConfig`, the policy), the transformers
-release (serve's loader, 5.25; continuous batching that evicts, `compat.CONTINUOUS_BATCHING`) and serve's
-dependencies (`pip install "vasepatch[serve]"`). A registered name (`smollm2-135m`, ...) is served from its
-converted folder.
+Checked before the server starts (a one-line error, exit status 2): the cache options (`VaSEConfig`, the policy),
+serve's dependencies (`pip install "vasepatch[serve]"`), the transformers release (serve's loader, 5.25;
+continuous batching that evicts, `compat.CONTINUOUS_BATCHING`), serve options that eviction refuses (CUDA graphs,
+`--compile`, a flash attention), transformers serve's own usage errors, and, for a local model, its layers
+(`hooks.layers_refusal`: sliding windows over the budget, layer kinds that do not evict). What needs the weights
+(whether the patch takes the model at all) is checked in the model's process, which then stops the server with
+its error. A registered name (`smollm2-135m`, ...) is served from its converted folder.
 """
 
 from __future__ import annotations
@@ -92,11 +95,54 @@ def check_release(argv: list[str]) -> None:
         )
 
 
+REFUSED_OPTIONS = {
+    "--cb-use-cuda-graph": "CUDA graphs run steps ahead of the host, which evicts between steps",
+    "--compile": "compiled continuous batching is not supported",
+}
+
+
+def check_options(argv: list[str]) -> None:
+    """ValueError naming a transformers serve option that eviction refuses (before the model's process would)."""
+    for option, why in REFUSED_OPTIONS.items():
+        if option in argv:
+            raise ValueError(f"transformers serve option {option}: {why}")
+    for i, word in enumerate(argv):
+        value = word.partition("=")[2] if word.startswith("--attn-implementation=") else None
+        if word == "--attn-implementation" and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value is not None and "flash" in value:
+            raise ValueError(
+                f"transformers serve option --attn-implementation {value}: continuous batching evicts with the sdpa "
+                "or eager attention"
+            )
+
+
+def check_layers(folder: Any, budget: int) -> None:
+    """ValueError if a local model's config rules eviction out (a Hub id is checked in the model's process)."""
+    from pathlib import Path
+
+    if not isinstance(folder, Path):
+        return
+    from transformers import AutoConfig
+
+    from vasepatch.integration.continuous.hooks import layers_refusal
+
+    problem = layers_refusal(AutoConfig.from_pretrained(folder).get_text_config(), budget)
+    if problem:
+        raise ValueError(f"vasepatch cannot evict inside this continuous batching: {problem}")
+
+
 def run(args: argparse.Namespace) -> int:
     patch_settings = settings(args)
     argv = serve_argv(args.model, args.serve_args)
     check_release(argv)
-    argv[0] = str(models.resolve(args.model))  # a registered name's folder; a local folder or a Hub id as it is
+    batching = "--no-continuous-batching" not in argv
+    if batching:
+        check_options(argv)
+    folder = models.resolve(args.model)  # a registered name's folder; a local folder or a Hub id as it is
+    if batching:
+        check_layers(folder, patch_settings["config"].budget)
+    argv[0] = str(folder)
     return launch(argv, patch_settings)
 
 
@@ -108,8 +154,14 @@ def launch(argv: list[str], patch_settings: dict[str, Any]) -> int:
 
     from vasepatch.tools.serve_loader import installed
 
-    command = app if isinstance(app, click.Command) else get_command(app)  # huggingface_hub's group, or a Typer
+    group = app if isinstance(app, click.Group) else get_command(app)  # huggingface_hub's click group, or a Typer
+    command = group.commands["serve"]
     print(f"vasepatch: serving {argv[0]} (the model name requests give)", file=sys.stderr, flush=True)
     with installed(patch_settings):
-        command.main(args=["serve", *argv], prog_name="vasepatch serve", standalone_mode=False)
+        try:
+            command.main(args=argv, prog_name="transformers serve", standalone_mode=False)
+        except click.exceptions.Abort:
+            raise KeyboardInterrupt from None
+        except click.ClickException as err:  # transformers serve's usage errors: one line, as ours
+            raise ValueError(f"transformers serve: {err.format_message()}") from None
     return 0

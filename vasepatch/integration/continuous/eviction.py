@@ -66,7 +66,7 @@ class PagedEviction:
     def __init__(self, config: VaSEConfig, cache: Any) -> None:
         self.config = config
         self.policy = policies.for_config(config)
-        groups = list(cache.cache_allocators.values())  # `hooks.check_cache`: one of full attention, one sliding
+        groups = list(cache.cache_allocators.values())  # `hooks.check_cache`: one full, at most one sliding
         self.allocator = next(g for g in groups if g.layer_type == "full_attention")
         self.sliding = [g for g in groups if g is not self.allocator]  # each keeps exactly its window
         self.views = [self.allocator._kv_token_views[i] for i in self.allocator.layer_indices]
@@ -104,7 +104,11 @@ class PagedEviction:
         known = self.requests.get(req_id)
         if known is not None and known.state is state:
             return known
-        if known is not None:
+        if known is not None:  # transformers' offloading started it over (a soft reset): a new prompt, a new record
+            LOG.info(
+                "vasepatch: request %s started over (transformers' offloading) after %d evictions; it is compressed "
+                "again from its prompt and generated tokens", req_id, known.rounds,
+            )  # fmt: skip
             self._forget(req_id)
         parent = self.requests.get(req_id.rpartition(CHILD_MARK)[0]) if CHILD_MARK in req_id else None
         if parent is not None and 0 < state.position_offset == parent.state.position_offset:  # a copy of its cache

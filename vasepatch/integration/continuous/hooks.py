@@ -89,24 +89,9 @@ def given_config(model: Any, generation_config: Any, cb_config: Any) -> Any:
 
 def refusal(model: Any, cb_config: Any, budget: int) -> str:
     """What rules eviction out for this model and config ('' when nothing does), naming the setting."""
-    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
-
-    text = model.config.get_text_config()
-    groups = set(group_layers_by_attn_type(text))
-    if "full_attention" not in groups or not groups <= {"full_attention", "sliding_attention"}:
-        return (
-            f"the model's layers are {sorted(groups)}; continuous batching evicts from full-attention layers (beside "
-            "sliding-window ones, whose ring transformers already bounds by the window)"
-        )
-    window = getattr(text, "sliding_window", None)
-    if "sliding_attention" in groups and window > budget:
-        return (
-            f"the model's sliding layers keep a window of {window} tokens, more than budget={budget}: a policy would "
-            f"choose inside transformers' ring of {window} slots (a budget >= {window} keeps the sliding layers as "
-            "the model defines them)"
-        )
-    if getattr(text, "kv_lora_rank", None):
-        return "the model caches compressed latents (MLA), not per-head keys and values"
+    problem = layers_refusal(model.config.get_text_config(), budget)
+    if problem:
+        return problem
     if getattr(model, "_device_mesh", None) is not None:
         return "the model is sharded by tensor parallelism (a device mesh); continuous batching evicts on one device"
     for name in ("use_cuda_graph", "use_async_batching"):
@@ -122,6 +107,32 @@ def refusal(model: Any, cb_config: Any, budget: int) -> str:
             f"the model runs {implementation!r}; continuous batching evicts with its sdpa or eager attention (load "
             "the model with attn_implementation='sdpa')"
         )
+    return ""
+
+
+def layers_refusal(text: Any, budget: int) -> str:
+    """What in a model's (text) config rules eviction out ('' when nothing does): layers other than full-attention
+    ones and sliding-window ones that keep at most `budget` tokens, or a latent (MLA) cache."""
+    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+
+    try:
+        groups = set(group_layers_by_attn_type(text))
+    except ValueError:  # a layer type transformers' paged cache has no allocator for
+        groups = set(getattr(text, "layer_types", None) or ())
+    if "full_attention" not in groups or not groups <= {"full_attention", "sliding_attention"}:
+        return (
+            f"the model's layers are {sorted(groups)}; continuous batching evicts from full-attention layers (beside "
+            "sliding-window ones, whose ring transformers already bounds by the window)"
+        )
+    window = getattr(text, "sliding_window", None)
+    if "sliding_attention" in groups and not (isinstance(window, int) and window <= budget):
+        return (
+            f"the model's sliding layers keep a window of {window} tokens, more than budget={budget}: a policy would "
+            f"choose inside transformers' ring of {window} slots (a budget >= {window} keeps the sliding layers as "
+            "the model defines them)"
+        )
+    if getattr(text, "kv_lora_rank", None):
+        return "the model caches compressed latents (MLA), not per-head keys and values"
     return ""
 
 
@@ -193,6 +204,7 @@ def attach(processor: Any, state: PatchState) -> None:
     for group in eviction.sliding:
         logical_ring(group, eviction)
     scheduler, io = processor.scheduler, processor.inputs_and_outputs
+    offloading = getattr(processor, "offloading_manager", None)
     schedule, prepare, finish = scheduler.schedule_batch, io.prepare_batch_tensors, scheduler.finish_request
     stream = getattr(io, "compute_stream", None)  # an accelerator's: the forward's stream
 
@@ -214,11 +226,21 @@ def attach(processor: Any, state: PatchState) -> None:
         request = scheduler.active_requests.get(request_id)
         out = finish(request_id, *args, **kwargs)
         if request is not None and int(request.status) >= FINISHED and request_id in eviction.requests:
-            eviction.ended(request_id)  # finished or failed, not offloaded (which finishes it to queue it again)
+            eviction.ended(request_id)  # finished or failed (an offload finishes it too: not while offloading)
         return out
+
+    def offload_requests(*args: Any, **kwargs: Any) -> Any:
+        finished, scheduler.finish_request = scheduler.finish_request, finish  # it queues what it finishes again
+        try:
+            return offload(*args, **kwargs)
+        finally:
+            scheduler.finish_request = finished
 
     scheduler.schedule_batch, io.prepare_batch_tensors = schedule_batch, prepare_batch_tensors
     scheduler.finish_request = finish_request
+    if offloading is not None:
+        offload = offloading.offload_requests
+        offloading.offload_requests = offload_requests
 
 
 def ordered_before(stream: Any) -> None:
@@ -250,7 +272,7 @@ def check_cache(cache: Any) -> None:
 def pinned_hashing(cache: Any, eviction: PagedEviction) -> None:
     """With prefix sharing on and `prefill="pin"`: an evicting request's blocks are hashed for sharing only as far
     as its prompt (never written by an eviction), so no block past it is shared."""
-    allocator = next(iter(cache.cache_allocators.values()))
+    allocator = eviction.allocator  # the full-attention group (a sliding group never shares)
     mark = allocator.mark_complete_blocks
 
     def mark_complete_blocks(request_id: str, token_ids: list[int], new_blocks: int) -> Any:
