@@ -76,13 +76,14 @@ def check_release(argv: list[str]) -> None:
     """ValueError unless this transformers can serve a patched model: serve's dependencies, its `ModelLoader`
     (5.25) and, with continuous batching, a batched path that evicts (a command-line error, before any work)."""
     import transformers
-    from transformers.utils.import_utils import is_serve_available
+    from transformers.utils import import_utils
 
     from vasepatch.integration.compat import CONTINUOUS_BATCHING, evicts_in_continuous_batching
 
-    if not is_serve_available():
-        raise ValueError(f"transformers serve needs its dependencies: {SERVE_EXTRA}")
     found = transformers.__version__
+    serve_available = getattr(import_utils, "is_serve_available", None)
+    if serve_available is not None and not serve_available():
+        raise ValueError(f"transformers serve needs its dependencies: {SERVE_EXTRA}")
     try:
         from transformers.cli.serving.model_manager import ModelLoader  # noqa: F401
     except ImportError:
