@@ -178,7 +178,7 @@ SERVE: list[tuple[list[str], str]] = [
     (["serve", "<tiny-model>", "--budget", "8", "--window", "8"], r"window must be smaller than budget"),
     (["serve", "<tiny-model>", "--policy", "nope"], r"'nope'"),
     (["serve", "<tiny-model>", "--prefill", "all"], r"argument --prefill: invalid choice: 'all'"),
-    (["serve", "<tiny-model>", "--port", "8000"], r"unrecognized arguments: --port 8000"),
+    (["serve", "<tiny-model>", "--port", "8000"], r"unrecognized arguments: --port 8000 \(another program's options"),
     (["serve"], r"the following arguments are required: model"),
 ]
 TOP: list[tuple[list[str], str]] = [

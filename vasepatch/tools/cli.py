@@ -66,8 +66,13 @@ class CommandParser(Parser):
 
     def parse_known_args(self, args=None, namespace=None):
         self.load()
-        if self.passthrough is None or args is None or "--" not in args:
+        if self.passthrough is None or args is None:
             return super().parse_known_args(args, namespace)
+        if "--" not in args:
+            namespace, extras = super().parse_known_args(args, namespace)
+            if extras:
+                self.error(f"unrecognized arguments: {' '.join(extras)} (another program's options go after --)")
+            return namespace, extras
         cut = args.index("--")  # what follows is another program's command line (`vasepatch serve ... -- ...`)
         namespace, extras = super().parse_known_args(args[:cut], namespace)
         setattr(namespace, self.passthrough, list(args[cut + 1 :]))

@@ -48,7 +48,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed, default=0, help="seeds VaSE's eviction sampling" + d)
     p.passthrough = "serve_args"  # `cli.CommandParser`: the words after `--`, unparsed
     p.set_defaults(serve_args=[])
-    p.epilog = "Options after -- go to transformers serve as they are: --host, --port, --cb-num-blocks, ..."
+    p.usage = "%(prog)s MODEL [cache options] [-- transformers serve options]"
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG
+
+
+EPILOG = """\
+Everything after -- goes to transformers serve as it is (-- --help lists it):
+  vasepatch serve smollm2-135m --budget 32 --window 8 -- --host 127.0.0.1 --port 8000 --cb-num-blocks 64
+--continuous-batching is added unless --no-continuous-batching is given. Without --cb-num-blocks,
+transformers sizes the paged cache from the free memory (about 14 GB for SmolLM2 on a 24 GB machine).
+"""
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,12 +167,16 @@ def launch(argv: list[str], patch_settings: dict[str, Any]) -> int:
 
     group = app if isinstance(app, click.Group) else get_command(app)  # huggingface_hub's click group, or a Typer
     command = group.commands["serve"]
+    try:  # serve's options parsed first: a usage error (or -- --help) before anything starts
+        context = command.make_context("transformers serve", list(argv))
+    except click.exceptions.Exit as done:
+        return done.exit_code
+    except click.ClickException as err:  # transformers serve's usage errors: one line, as ours
+        raise ValueError(f"transformers serve: {err.format_message()}") from None
     print(f"vasepatch: serving {argv[0]} (the model name requests give)", file=sys.stderr, flush=True)
-    with installed(patch_settings):
+    with installed(patch_settings), context:
         try:
-            command.main(args=argv, prog_name="transformers serve", standalone_mode=False)
+            command.invoke(context)
         except click.exceptions.Abort:
             raise KeyboardInterrupt from None
-        except click.ClickException as err:  # transformers serve's usage errors: one line, as ours
-            raise ValueError(f"transformers serve: {err.format_message()}") from None
     return 0
