@@ -48,17 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = " (default: %(default)s)"
     p.add_argument("prompt", help="the prompt; - reads it from stdin (UTF-8)")
     p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP + d)
-    p.add_argument(
-        "--budget", type=int_in(2), default=256, help="KV pairs kept per layer and head after each eviction" + d
-    )
-    p.add_argument(
-        "--window", type=int_in(1), default=64, help="recent tokens always kept; evicts every WINDOW tokens" + d
-    )
-    p.add_argument("--policy", type=policy_name, default="vase", help=policy_help() + d)
-    p.add_argument("--protect", type=int_in(0), default=None, help="protected slots (default: budget // 4)")
-    p.add_argument("--sinks", type=int_in(0), default=4, help="first tokens always kept" + d)
-    p.add_argument("--prefill", choices=PREFILL_MODES, default="compress", help="compress, keep or pin the prompt" + d)
-    p.add_argument("--seed", type=seed, default=0, help="seeds VaSE's eviction sampling and --temperature sampling" + d)
+    add_cache_options(p, "seeds VaSE's eviction sampling and --temperature sampling")
     p.add_argument("--max-new-tokens", type=int_in(1), default=512, help="stop after this many tokens" + d)
     p.add_argument(
         "--temperature",
@@ -81,6 +71,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true", help="generate again with the full cache and compare")
     p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N" + d)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV cache dtype" + d)
+
+
+def add_cache_options(p: argparse.ArgumentParser, seed_help: str) -> None:
+    """The cache options (`cache_config`): --budget, --window, --policy, --protect, --sinks, --prefill, --seed."""
+    d = " (default: %(default)s)"
+    p.add_argument(
+        "--budget", type=int_in(2), default=256, help="KV pairs kept per layer and head after each eviction" + d
+    )
+    p.add_argument(
+        "--window", type=int_in(1), default=64, help="recent tokens always kept; evicts every WINDOW tokens" + d
+    )
+    p.add_argument("--policy", type=policy_name, default="vase", help=policy_help() + d)
+    p.add_argument("--protect", type=int_in(0), default=None, help="protected slots (default: budget // 4)")
+    p.add_argument("--sinks", type=int_in(0), default=4, help="first tokens always kept" + d)
+    p.add_argument("--prefill", choices=PREFILL_MODES, default="compress", help="compress, keep or pin the prompt" + d)
+    p.add_argument("--seed", type=seed, default=0, help=seed_help + d)
 
 
 def read_prompt(text: str, stdin: Any = None) -> str:

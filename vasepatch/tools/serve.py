@@ -25,27 +25,14 @@ import sys
 from typing import Any
 
 from vasepatch import models
-from vasepatch.config import PREFILL_MODES, VaSEConfig
-from vasepatch.tools.cli_args import int_in, policy_name, seed
-from vasepatch.tools.generate import MODEL_HELP, check_policy, policy_help
+from vasepatch.tools.generate import MODEL_HELP, add_cache_options, cache_config
 
 SERVE_EXTRA = 'pip install "vasepatch[serve]"'
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = " (default: %(default)s)"
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument(
-        "--budget", type=int_in(2), default=256, help="KV pairs kept per layer and head after each eviction" + d
-    )
-    p.add_argument(
-        "--window", type=int_in(1), default=64, help="recent tokens always kept; evicts every WINDOW tokens" + d
-    )
-    p.add_argument("--policy", type=policy_name, default="vase", help=policy_help() + d)
-    p.add_argument("--protect", type=int_in(0), default=None, help="protected slots (default: budget // 4)")
-    p.add_argument("--sinks", type=int_in(0), default=4, help="first tokens always kept" + d)
-    p.add_argument("--prefill", choices=PREFILL_MODES, default="compress", help="compress, keep or pin the prompt" + d)
-    p.add_argument("--seed", type=seed, default=0, help="seeds VaSE's eviction sampling" + d)
+    add_cache_options(p, "seeds VaSE's eviction sampling")
     p.passthrough = "serve_args"  # `cli.CommandParser`: the words after `--`, unparsed
     p.set_defaults(serve_args=[])
     p.usage = "%(prog)s MODEL [cache options] [-- transformers serve options]"
@@ -63,17 +50,7 @@ transformers sizes the paged cache from the free memory (about 14 GB for SmolLM2
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     """The validated keyword arguments of `vasepatch.patch` (ValueError naming a bad one, the policy's included)."""
-    config = VaSEConfig(
-        budget=args.budget,
-        window=args.window,
-        protect=args.protect,
-        sinks=args.sinks,
-        policy=args.policy,
-        seed=args.seed,
-        prefill=args.prefill,
-    )
-    check_policy(config)
-    return {"config": config}
+    return {"config": cache_config(args)}
 
 
 def serve_argv(model: str, passed: list[str]) -> list[str]:
