@@ -60,6 +60,12 @@ def test_request_settings_override_the_engine_and_the_seed_falls_back():
             "has no option(s) zzz",
         ),
         (None, {"vasepatch_window": 8}, "vasepatch_budget", "must set vasepatch_budget"),
+        (
+            None,
+            {"vasepatch_budget": 64, "vasepatch_policy": "triattention"},
+            "vasepatch_window",
+            "(window: the default, set by neither the request nor the engine; set vasepatch_window to change it)",
+        ),
     ],
 )
 def test_bad_settings_name_where_they_came_from(engine, request_args, parameter, text):
@@ -83,7 +89,10 @@ def test_settings_errors_are_vaseconfigs_own():
         VaSEConfig(budget=128, protect=1000)
     with pytest.raises(settings.SettingsError) as plugin:
         settings.resolve(None, {"vasepatch_budget": 128, "vasepatch_protect": 1000}, None)
-    assert str(plugin.value) == str(own.value)
+    assert str(plugin.value).startswith(str(own.value))  # then which values were defaults (sinks, window)
+    assert plugin.value.parameter == "vasepatch_protect"
+    assert str(plugin.value).endswith("(window, sinks: the default, set by neither the request nor the engine; "
+                                      "set vasepatch_window, vasepatch_sinks to change it)")  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -253,7 +253,7 @@ def resolve(
 
         policy = policies.for_config(config)
     except ValueError as exc:
-        raise SettingsError(str(exc), _blame(str(exc), own, engine)) from None
+        raise _request_error(str(exc), own, engine) from None
     if "stats" in policy.options:
         return _with_stats(config, additional_config, own)
     return config
@@ -280,6 +280,20 @@ def _with_stats(config: VaSEConfig, additional_config: Mapping[str, Any] | None,
         )
     options = {"rotary_dtype": "float32", **config.policy_options, "stats": path}
     return dataclasses.replace(config, policy_options=options)
+
+
+def _request_error(message: str, own: Mapping[str, Any], engine: Mapping[str, Any]) -> SettingsError:
+    """The error of a request's bad settings, naming where they came from (`_blame`). When its message names values
+    neither the request nor the engine set (VaSEConfig's defaults), it says which and the request keys that change
+    them, and a default the message is about is the parameter named (a request with `vasepatch_budget` 64 and no
+    window fails on the default window of 64: `vasepatch_window` is what to set)."""
+    unset = [f for f in REQUEST_FIELDS if f"{f}=" in message and f not in own and f not in engine] if own else []
+    if not unset:
+        return SettingsError(message, _blame(message, own, engine))
+    keys = ", ".join(REQUEST_PREFIX + f for f in unset)
+    note = f" ({', '.join(unset)}: the default, set by neither the request nor the engine; set {keys} to change it)"
+    subject = next((f for f in unset if message.startswith(f + " ")), None)
+    return SettingsError(message + note, REQUEST_PREFIX + subject if subject else _blame(message, own, engine))
 
 
 def _blame(message: str, own: Mapping[str, Any], engine: Mapping[str, Any]) -> str:
