@@ -68,13 +68,10 @@ class CommandParser(Parser):
         self.load()
         if self.passthrough is None or args is None:
             return super().parse_known_args(args, namespace)
-        if "--" not in args:
-            namespace, extras = super().parse_known_args(args, namespace)
-            if extras:
-                self.error(f"unrecognized arguments: {' '.join(extras)} (another program's options go after --)")
-            return namespace, extras
-        cut = args.index("--")  # what follows is another program's command line (`vasepatch serve ... -- ...`)
+        cut = args.index("--") if "--" in args else len(args)  # then another program's command line
         namespace, extras = super().parse_known_args(args[:cut], namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)} (another program's options go after --)")
         setattr(namespace, self.passthrough, list(args[cut + 1 :]))
         return namespace, extras
 

@@ -59,7 +59,7 @@ def serve_argv(model: str, passed: list[str]) -> list[str]:
     return [model, *([] if batching else ["--continuous-batching"]), *passed]
 
 
-def check_release(argv: list[str]) -> None:
+def check_release(batching: bool) -> None:
     """ValueError unless this transformers can serve a patched model: serve's dependencies, its `ModelLoader`
     (5.25) and, with continuous batching, a batched path that evicts (a command-line error, before any work)."""
     import transformers
@@ -75,7 +75,7 @@ def check_release(argv: list[str]) -> None:
         from transformers.cli.serving.model_manager import ModelLoader  # noqa: F401
     except ImportError:
         raise ValueError(f"vasepatch serve needs transformers >= 5.25 (serve's ModelLoader); found {found}") from None
-    if "--no-continuous-batching" not in argv and not evicts_in_continuous_batching():
+    if batching and not evicts_in_continuous_batching():
         low, high = CONTINUOUS_BATCHING
         raise ValueError(
             f"continuous batching evicts with transformers >={low},<{high}; found {found} "
@@ -123,8 +123,8 @@ def check_layers(folder: Any, budget: int) -> None:
 def run(args: argparse.Namespace) -> int:
     patch_settings = settings(args)
     argv = serve_argv(args.model, args.serve_args)
-    check_release(argv)
     batching = "--no-continuous-batching" not in argv
+    check_release(batching)
     if batching:
         check_options(argv)
     folder = models.resolve(args.model)  # a registered name's folder; a local folder or a Hub id as it is
