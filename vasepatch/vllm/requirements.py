@@ -179,8 +179,7 @@ def limits(vllm_config: Any) -> settings.Limits:
 
 def _defaults_named(message: str, additional: Any) -> str:
     """Which values a message names that the engine did not set (so they are VaSEConfig's defaults)."""
-    given = settings.engine_settings(additional)
-    defaults = [f for f in settings.ENGINE_FIELDS if f"{f}=" in message and f not in given]
+    defaults = settings.defaults_named(message, settings.engine_settings(additional), settings.ENGINE_FIELDS)
     if not defaults:
         return ""
     names = ", ".join(defaults)

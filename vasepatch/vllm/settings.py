@@ -30,7 +30,7 @@ Every value is checked as `VaSEConfig` checks it, with the same messages, plus t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,12 +282,18 @@ def _with_stats(config: VaSEConfig, additional_config: Mapping[str, Any] | None,
     return dataclasses.replace(config, policy_options=options)
 
 
+def defaults_named(message: str, given: Mapping[str, Any], fields: Sequence[str]) -> list[str]:
+    """The settings of `fields` that `message` names with a value (`window=64`) and `given` does not set: the values
+    it took from VaSEConfig's defaults."""
+    return [f for f in fields if f"{f}=" in message and f not in given]
+
+
 def _request_error(message: str, own: Mapping[str, Any], engine: Mapping[str, Any]) -> SettingsError:
     """The error of a request's bad settings, naming where they came from (`_blame`). When its message names values
     neither the request nor the engine set (VaSEConfig's defaults), it says which and the request keys that change
     them, and a default the message is about is the parameter named (a request with `vasepatch_budget` 64 and no
     window fails on the default window of 64: `vasepatch_window` is what to set)."""
-    unset = [f for f in REQUEST_FIELDS if f"{f}=" in message and f not in own and f not in engine] if own else []
+    unset = defaults_named(message, {**engine, **own}, REQUEST_FIELDS) if own else []
     if not unset:
         return SettingsError(message, _blame(message, own, engine))
     keys = ", ".join(REQUEST_PREFIX + f for f in unset)
